@@ -1,0 +1,83 @@
+"""Engine configuration: one dataclass shared by the CLI, the server and tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class ConfigError(ValueError):
+    """An engine setting is invalid or impossible on this machine."""
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16") from None
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine.
+
+    model: "default" (the embedded SmolLM2), a .gguf file or a safetensors directory.
+    kv_cache_bytes: KV pool size; None means kv_cache_memory_fraction of free device
+    memory on CUDA, and 2 GiB on CPU. attention_backend: "auto" (triton on CUDA,
+    torch on CPU), "torch" or "triton".
+    """
+
+    model: str = "default"
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.85
+    num_kv_blocks: int | None = None  # overrides the byte budget (tests)
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    cache_salt: str = ""
+    num_threads: int | None = None
+    seed: int = 0
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' requested but no CUDA device is available")
+        return dev
+
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    def validate(self) -> "EngineConfig":
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ConfigError("kv_cache_bytes must be positive")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ConfigError("kv_cache_memory_fraction must be in (0, 1]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError("num_kv_blocks must be >= 1")
+        parse_dtype(self.dtype)
+        return self

@@ -1,0 +1,50 @@
+"""What the engine reports back for each request after a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one generated token and its top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.monotonic()) of a request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The delta a step produced for one request, plus its running totals.
+
+    `new_token_ids`, `text_delta` and `logprobs` hold only what this step added;
+    `output_token_ids` and `text` are everything so far. When `finished` is True
+    this is the request's last output and `finish_reason` is one of
+    "stop" (EOS, stop token or stop string), "length" (max_tokens or the model
+    length) or "abort".
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    output_token_ids: list[int]
+    text_delta: str
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    logprobs: list[TokenLogprob] | None
+    metrics: RequestMetrics
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
