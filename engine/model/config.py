@@ -79,8 +79,13 @@ class ModelConfig:
             rope_theta = rope_theta or rp.get("rope_theta")
             if rp.get("rope_type", "default") != "default" and not rope_scaling:
                 rope_scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
-            rope_scaling = None
+        if rope_scaling:
+            # Older configs spell the kind "type"; consumers read "rope_type" only.
+            rope_scaling = {k: v for k, v in rope_scaling.items() if k != "type"} | {
+                "rope_type": rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            }
+            if rope_scaling["rope_type"] == "default":
+                rope_scaling = None
         return cls(
             arch=model_type,
             vocab_size=int(cfg["vocab_size"]),

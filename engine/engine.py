@@ -1,0 +1,258 @@
+"""LLMEngine: the synchronous core that the offline API and the server drive.
+
+Thread model: `add_request` and `abort_request` may be called from any thread;
+they only validate and enqueue. Everything else (scheduling, the KV manager,
+the forward pass) runs inside `step()`, on whichever single thread drives the
+engine, so engine state is never shared or copied across threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.engine.config import ConfigError, EngineConfig
+from kvmesh.engine.kv.block_hash import extra_key
+from kvmesh.engine.kv.events import KVEventLog
+from kvmesh.engine.kv.kv_manager import KVCacheManager
+from kvmesh.engine.model.attention import AttentionBackend
+from kvmesh.engine.model.llama import LlamaModel
+from kvmesh.engine.model.loader import LoadedModel, load_model
+from kvmesh.engine.outputs import RequestMetrics, RequestOutput
+from kvmesh.engine.request import Request, RequestStatus
+from kvmesh.engine.runner import ModelRunner
+from kvmesh.engine.sampling import SamplingParams
+from kvmesh.engine.scheduler import Scheduler
+from kvmesh.engine.stream import RequestStream
+
+_CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+class PromptTooLongError(ValueError):
+    """Prompt plus max_tokens exceed what the engine can hold; the message names the limit."""
+
+
+class DuplicateRequestError(ValueError):
+    """A request with this id is already in flight."""
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_kv_blocks: int
+    num_free_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    num_steps: int
+
+
+def _pick_backend(cfg: EngineConfig, device: torch.device) -> str:
+    if cfg.attention_backend != "auto":
+        if cfg.attention_backend == "triton" and device.type != "cuda":
+            raise ConfigError("attention_backend 'triton' needs a CUDA device; use 'torch' on CPU")
+        return cfg.attention_backend
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def _num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> int:
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    per_block = cfg.block_size * loaded.config.kv_bytes_per_token(dtype.itemsize)
+    if cfg.kv_cache_bytes is not None:
+        budget = cfg.kv_cache_bytes
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * cfg.kv_cache_memory_fraction)
+    else:
+        budget = _CPU_DEFAULT_KV_BYTES
+    n = budget // per_block
+    if n < 1:
+        raise ConfigError(
+            f"KV budget of {budget} bytes holds no block of {per_block} bytes "
+            f"(block_size={cfg.block_size}); raise the KV memory budget"
+        )
+    return n
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 engine_id: str | None = None, debug_checks: bool = False) -> None:
+        self.config = cfg = (config or EngineConfig()).validate()
+        self.device = cfg.resolved_device()
+        self.dtype = cfg.torch_dtype()
+        if cfg.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(cfg.num_threads)
+        self.loaded = loaded or load_model(cfg.model, self.dtype)
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
+        self.debug_checks = debug_checks
+        self.backend = AttentionBackend(_pick_backend(cfg, self.device))
+
+        num_blocks = _num_kv_blocks(cfg, self.loaded, self.device, self.dtype)
+        model_len = self.model_config.max_position_embeddings
+        if cfg.max_model_len is not None:
+            if cfg.max_model_len > model_len:
+                raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's {model_len}")
+            model_len = cfg.max_model_len
+        self.max_model_len = model_len
+        self.model = LlamaModel(self.model_config, self.loaded.weights, self.backend, self.dtype,
+                                self.device, max_position=model_len)
+        self.loaded.weights = {}  # the model holds fused copies; drop the originals
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.dtype)
+        if cfg.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton":
+            sizes = tuple(b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs)
+            self.runner.capture_cuda_graphs(sizes, model_len)
+        self.events = KVEventLog(self.engine_id)
+        self.kv = KVCacheManager(
+            num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+            extra_key(self.model_config.name, str(self.dtype).removeprefix("torch."),
+                      cache_salt=cfg.cache_salt or None),
+            on_event=self.events.publish,
+        )
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.enable_chunked_prefill)
+        self.num_kv_blocks = num_blocks
+        self._requests: dict[str, Request] = {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live_ids: set[str] = set()
+        self._lock = threading.Lock()
+        self._arrival = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._num_steps = 0
+
+    # ---- thread-safe entry points -------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise PromptTooLongError("the prompt is empty; send at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request has "
+                f"{n} prompt tokens plus max_tokens={params.max_tokens}"
+            )
+        capacity = self.num_kv_blocks * self.config.block_size
+        if n + params.max_tokens > capacity:
+            raise PromptTooLongError(
+                f"the KV cache holds {capacity} tokens; the request needs {n} prompt tokens plus "
+                f"max_tokens={params.max_tokens}"
+            )
+        gen = None
+        if params.seed is not None and not params.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic()),
+            priority=priority,
+            arrival_seq=next(self._arrival),
+            generator=gen,
+        )
+        req.stream = RequestStream(self.tokenizer, req.prompt_token_ids, params)
+        with self._lock:
+            if request_id in self._live_ids:
+                raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+            self._live_ids.add(request_id)
+        self._commands.put(("add", req))
+
+    def abort_request(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._live_ids)
+
+    # ---- the step -------------------------------------------------------------
+    def _drain_commands(self, outputs: list[RequestOutput]) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._requests[arg.request_id] = arg
+                self._prompt_tokens += arg.num_prompt_tokens
+                self.scheduler.add(arg)
+            else:
+                req = self._requests.get(arg)
+                if req is not None and not req.is_finished:
+                    self.scheduler.finish(req, "abort")
+                    outputs.append(self._finish_output(req))
+
+    def _forget(self, req: Request, now: float) -> None:
+        req.metrics.finished_time = now
+        self._requests.pop(req.request_id, None)
+        with self._lock:
+            self._live_ids.discard(req.request_id)
+
+    def _finish_output(self, req: Request) -> RequestOutput:
+        self._forget(req, time.monotonic())
+        return req.stream.abort_output(req)
+
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        self._drain_commands(outputs)
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        self._num_steps += 1
+        now = time.monotonic()
+        for s in sched.seqs:
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
+        block_ids = [self.kv.block_ids(s.request.request_id) for s in sched.seqs]
+        result = self.runner.execute(sched, block_ids)
+        self.scheduler.update_after_step(sched)
+        if result is not None:
+            now = time.monotonic()
+            producing = [s.request for s in sched.seqs if s.produces_token]
+            for req, tok, lp in zip(producing, result.token_ids, result.logprobs):
+                req.append_token(tok)
+                self._generation_tokens += 1
+                m = req.metrics
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                m.last_token_time = now
+                out = req.stream.on_token(req, tok, lp, self.max_model_len)
+                if out.finished:
+                    self.scheduler.finish(req, out.finish_reason)
+                    self._forget(req, now)
+                outputs.append(out)
+        if self.debug_checks:
+            self.kv.check_integrity()
+        return outputs
+
+    def stats(self) -> EngineStats:
+        ps = self.kv.prefix_stats()
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_usage=self.kv.usage,
+            num_kv_blocks=self.num_kv_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+            prefix_queries=ps.queries,
+            prefix_hits=ps.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            num_steps=self._num_steps,
+        )

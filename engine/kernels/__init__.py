@@ -1,0 +1,24 @@
+"""Attention, RMSNorm and RoPE kernels for the kvmesh engine.
+
+Every module pairs a torch reference (``*_ref``, the production CPU path, also the test
+oracle) with a Triton kernel (``*_triton``, the CUDA path) of the same signature:
+
+- ``rmsnorm.rms_norm_*(x, weight, eps, residual=None) -> (out, h | None)``: HF LlamaRMSNorm
+  numerics; with a residual, ``h = x + residual`` is normalised and returned.
+- ``rope.build_cos_sin_cache(head_dim, max_position, base, scaling=None, device=None)``: fp32
+  ``[max_position, head_dim]`` table, cos in the first half, sin in the second.
+- ``rope.rope_write_kv_*(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+  -> (q_rot, k_rot)``: NeoX-style rotation, rotated k and v stored at their slots.
+- ``decode_attention.paged_decode_attention_*(q, k_cache, v_cache, block_tables, seq_lens, scale)``:
+  one query per sequence; the Triton version takes ``num_splits`` (split-K).
+- ``extend_attention.paged_extend_attention_*(q, k_cache, v_cache, block_tables,
+  query_start_loc, seq_lens, scale)``: causal attention for a flat batch of new tokens.
+
+KV cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot
+is ``block_id * block_size + offset``. ``seq_lens`` counts the tokens of the current step, whose
+K/V are written (by ``rope_write_kv_*``) before attention runs. Query head ``h`` uses kv head
+``h // (num_q_heads // num_kv_heads)``.
+
+Triton is imported only when a ``*_triton`` function is first called, so this package works
+without Triton, and ``TRITON_INTERPRET=1`` (set before that first call) runs the kernels on CPU.
+"""

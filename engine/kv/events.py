@@ -1,0 +1,156 @@
+"""KV events: what an engine's block pools tell the router and cache nodes about cached blocks.
+
+A pool emits raw events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) in the order
+its cache changes. ``KVEventLog`` turns them into an ordered stream: each record gets the
+engine id and a sequence number that increases by exactly one per record, so a subscriber
+that polls ``since(last_seq)`` notices any gap and resynchronises from ``snapshot()``.
+
+Invariant: replaying the records ``1 .. snapshot().seq`` onto empty per-tier sets (stored adds,
+removed discards, cleared empties the tier) yields exactly ``snapshot().hashes``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .block_hash import BlockHash
+
+TIER_GPU = "gpu"
+"""The engine's primary KV pool (device memory; on a CPU-only build, the pool the model reads)."""
+TIER_CPU = "cpu"
+"""Engine host memory (offload tier)."""
+TIER_REMOTE = "remote"
+"""A cache node."""
+TIERS = (TIER_GPU, TIER_CPU, TIER_REMOTE)
+
+
+def check_tier(tier: str) -> str:
+    if tier not in TIERS:
+        raise ValueError(f"unknown KV tier {tier!r}; use one of {', '.join(TIERS)}")
+    return tier
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Blocks now cached, in chain order.
+
+    ``parent_hash`` is the hash of the block before ``block_hashes[0]``, or None when the first
+    block follows the root seed. ``token_ids`` are the tokens of all listed blocks, concatenated
+    (``len(token_ids) == len(block_hashes) * block_size``).
+    """
+
+    block_hashes: list[BlockHash]
+    parent_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    tier: str = TIER_GPU
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Blocks no longer cached in ``tier`` (their memory was reused)."""
+
+    block_hashes: list[BlockHash]
+    tier: str = TIER_GPU
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every cached block of ``tier`` was dropped."""
+
+    tier: str = TIER_GPU
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+KVEventHandler = Callable[[KVEvent], None]
+
+
+@dataclass(frozen=True)
+class KVEventRecord:
+    seq: int
+    engine_id: str
+    timestamp: float
+    event: KVEvent
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """The cache contents as of record ``seq`` (0: before any event)."""
+
+    seq: int
+    engine_id: str
+    hashes: dict[str, frozenset[BlockHash]] = field(default_factory=dict)
+
+
+class KVEventLog:
+    """Sequence-stamps events from one engine's pools and serves them to pollers.
+
+    ``publish`` is the ``on_event`` callback for block pools (engine thread); ``since`` and
+    ``snapshot`` are for readers (server thread). All three hold one lock, so a snapshot's
+    ``seq`` matches its contents exactly. The ring keeps the most recent ``capacity`` records.
+    """
+
+    def __init__(self, engine_id: str, capacity: int = 10_000, clock: Callable[[], float] = time.time) -> None:
+        if capacity < 1:
+            raise ValueError(f"KVEventLog capacity must be >= 1, got {capacity}")
+        self.engine_id = engine_id
+        self.capacity = capacity
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._ring: deque[KVEventRecord] = deque(maxlen=capacity)
+        self._seq = 0
+        self._cached: dict[str, set[BlockHash]] = {t: set() for t in TIERS}
+
+    def publish(self, event: KVEvent) -> KVEventRecord:
+        tier = check_tier(event.tier)
+        with self._lock:
+            self._seq += 1
+            rec = KVEventRecord(self._seq, self.engine_id, self._clock(), event)
+            self._ring.append(rec)
+            cached = self._cached[tier]
+            if isinstance(event, BlockStored):
+                cached.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                cached.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                cached.clear()
+            else:  # pragma: no cover - guarded by the type annotation
+                raise TypeError(f"not a KV event: {event!r}")
+            return rec
+
+    __call__ = publish
+
+    @property
+    def latest_seq(self) -> int:
+        with self._lock:
+            return self._seq
+
+    def since(self, seq: int) -> list[KVEventRecord] | None:
+        """Records with sequence number > ``seq``, oldest first.
+
+        Returns None when the caller cannot catch up from the ring: record ``seq + 1`` was
+        already dropped, or ``seq`` is ahead of this log (the engine restarted). The caller must
+        then resync from ``snapshot()`` and poll from its ``seq``.
+        """
+        if seq < 0:
+            raise ValueError(f"since() needs a sequence number >= 0, got {seq}")
+        with self._lock:
+            if seq > self._seq:
+                return None
+            if seq == self._seq:
+                return []
+            oldest = self._ring[0].seq
+            if seq + 1 < oldest:
+                return None
+            start = seq + 1 - oldest
+            return list(itertools.islice(self._ring, start, None))
+
+    def snapshot(self) -> KVSnapshot:
+        with self._lock:
+            return KVSnapshot(self._seq, self.engine_id,
+                              {t: frozenset(s) for t, s in self._cached.items()})

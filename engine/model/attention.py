@@ -1,0 +1,102 @@
+"""Per-step attention metadata and the backend that runs paged attention.
+
+The flat batch is laid out decodes first: sequences [0, num_decodes) contribute
+exactly one query token each (tokens [0, num_decodes)), the remaining sequences
+contribute prefill chunks of any length. Backends rely on that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttnMetadata:
+    """Tensors describing one forward pass over the paged KV cache.
+
+    Invariants: len(positions) == len(slot_mapping) == query_start_loc[-1];
+    seq_lens[i] counts the context of sequence i including this step's tokens,
+    whose K/V are written before attention reads them.
+    """
+
+    positions: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    seq_lens: torch.Tensor  # int32 [B]
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    num_decodes: int
+    max_seq_len: int
+    max_query_len: int
+    # Derived once per step so the 30-odd layers don't each slice/sync.
+    prefill_query_start_loc: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
+    decode_block_tables: torch.Tensor | None = None
+    decode_max_seq_len: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def finalize(self) -> "AttnMetadata":
+        nd = self.num_decodes
+        self.decode_seq_lens = self.seq_lens[:nd]
+        self.decode_block_tables = self.block_tables[:nd]
+        if nd < self.num_seqs:
+            qsl = self.query_start_loc[nd:]
+            self.prefill_query_start_loc = qsl - qsl[0]
+            self.prefill_seq_lens = self.seq_lens[nd:]
+            self.prefill_block_tables = self.block_tables[nd:]
+        return self
+
+
+class AttentionBackend:
+    """Chooses between the Triton kernels (CUDA) and their torch references (CPU).
+
+    Both implement the same contract (engine/kernels/__init__.py); the engine
+    picks one at start-up and every layer uses it.
+    """
+
+    def __init__(self, name: str) -> None:
+        if name not in ("torch", "triton"):
+            raise ValueError(f"unknown attention backend {name!r}")
+        self.name = name
+        from kvmesh.engine.kernels import decode_attention, extend_attention, rmsnorm, rope
+
+        if name == "triton":
+            self.rms_norm = rmsnorm.rms_norm_triton
+            self.rope_write_kv = rope.rope_write_kv_triton
+            self._decode = decode_attention.paged_decode_attention_triton
+            self._extend = extend_attention.paged_extend_attention_triton
+        else:
+            self.rms_norm = rmsnorm.rms_norm_ref
+            self.rope_write_kv = rope.rope_write_kv_ref
+            self._decode = decode_attention.paged_decode_attention_ref
+            self._extend = extend_attention.paged_extend_attention_ref
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttnMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D] with decodes first; returns [T, Hq, D]."""
+        nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+        if nd == 0:
+            return self._extend(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+            )
+        out = torch.empty_like(q)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+        out[nd:] = self._extend(
+            q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+            meta.prefill_seq_lens, scale,
+        )
+        return out

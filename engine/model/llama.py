@@ -1,0 +1,149 @@
+"""Llama-family decoder forward over a flat batch with paged KV.
+
+Covers Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2, Mistral, Qwen2 (QKV
+bias) and Qwen3 (per-head q/k RMSNorm). Weights arrive under Hugging Face names
+and are fused at load time (q|k|v and gate|up) so each layer runs four matmuls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.engine.kernels.rope import build_cos_sin_cache
+from kvmesh.engine.model.attention import AttentionBackend, AttnMetadata
+from kvmesh.engine.model.config import ModelConfig
+
+
+class WeightsError(ValueError):
+    """The checkpoint lacks a tensor the architecture needs, or has the wrong shape."""
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class LlamaModel:
+    """Stateless apart from weights: the KV cache is passed in on every call.
+
+    forward() writes this step's K/V into the cache at meta.slot_mapping before
+    attending, so a sequence's queries see their own keys.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_position: int,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.dtype = dtype
+        self.device = device
+        self.scale = config.head_dim ** -0.5
+
+        def take(name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+            try:
+                t = weights[name]
+            except KeyError:
+                raise WeightsError(f"checkpoint has no tensor {name!r}") from None
+            if shape is not None and tuple(t.shape) != shape:
+                raise WeightsError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        c = config
+        qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        self.norm = take("model.norm.weight", (c.hidden_size,))
+        if c.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight", (c.vocab_size, c.hidden_size))
+        self.layers: list[LayerWeights] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([
+                take(p + "self_attn.q_proj.weight", (qd, c.hidden_size)),
+                take(p + "self_attn.k_proj.weight", (kvd, c.hidden_size)),
+                take(p + "self_attn.v_proj.weight", (kvd, c.hidden_size)),
+            ])
+            bias = None
+            if c.attention_bias:
+                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            self.layers.append(LayerWeights(
+                input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
+                qkv=qkv,
+                qkv_bias=bias,
+                q_norm=take(p + "self_attn.q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
+                k_norm=take(p + "self_attn.k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
+                o=take(p + "self_attn.o_proj.weight", (c.hidden_size, qd)),
+                post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
+                gate_up=torch.cat([
+                    take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
+                    take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
+                ]),
+                down=take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)),
+            ))
+        self.cos_sin = build_cos_sin_cache(
+            c.head_dim, max_position, c.rope_theta, c.rope_scaling, device=device
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttnMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden] (normed).
+
+        kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+        """
+        c, be = self.config, self.backend
+        t = input_ids.shape[0]
+        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        qd, kvd = hq * d, hkv * d
+        eps = c.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)
+        residual: torch.Tensor | None = None
+        for i, lw in enumerate(self.layers):
+            if residual is None:
+                residual = h
+                x, _ = be.rms_norm(h, lw.input_norm, eps)
+            else:
+                x, residual = be.rms_norm(h, lw.input_norm, eps, residual)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            q = qkv[:, :qd].view(t, hq, d)
+            k = qkv[:, qd:qd + kvd].view(t, hkv, d)
+            v = qkv[:, qd + kvd:].view(t, hkv, d)
+            if lw.q_norm is not None:
+                q, _ = be.rms_norm(q, lw.q_norm, eps)
+                k, _ = be.rms_norm(k, lw.k_norm, eps)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            q, _ = be.rope_write_kv(q, k, v, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping)
+            o = be.attention(q, k_cache, v_cache, meta, self.scale)
+            h = F.linear(o.reshape(t, qd), lw.o)
+            x, residual = be.rms_norm(h, lw.post_norm, eps, residual)
+            gu = F.linear(x, lw.gate_up)
+            g, u = gu.chunk(2, dim=-1)
+            h = F.linear(F.silu(g) * u, lw.down)
+        out, _ = be.rms_norm(h, self.norm, eps, residual)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> fp32 logits [N, vocab]."""
+        return F.linear(hidden, self.lm_head).float()

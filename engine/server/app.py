@@ -1,0 +1,159 @@
+"""The FastAPI application: routes, error mapping, lifespan.
+
+Routes stay thin: parse, delegate to `Serving`, let `APIError` propagate to
+one handler that answers in OpenAI's error format and counts the error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from kvmesh.engine.server import errors
+from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
+from kvmesh.engine.server.errors import APIError
+from kvmesh.engine.server.generation import Serving
+from kvmesh.engine.server.metrics import ServerMetrics
+from kvmesh.engine.server.metrics_util import render
+from kvmesh.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("kvmesh.server")
+
+
+class ServerApp:
+    """Everything one server process holds: the async engine, metrics, the app."""
+
+    def __init__(self, aengine: AsyncEngine, served_model_names: list[str] | None = None) -> None:
+        self.aengine = aengine
+        self._names_override = list(served_model_names or [])
+        self.started = int(time.time())
+        self.metrics = ServerMetrics(self._names_override[0] if self._names_override else "", 0,
+                                     stats=lambda: aengine.stats, ready=lambda: aengine.ready)
+        aengine.on_finished = self.metrics.observe_finished
+        aengine.on_token_gap = self.metrics.observe_token_gap
+        self.serving = Serving(aengine, [], count_error=self.metrics.count_error)
+        self.app = self._build()
+
+    def served_names(self) -> list[str]:
+        if self._names_override:
+            return self._names_override
+        engine = self.aengine.engine
+        return [engine.model_config.name] if engine is not None else []
+
+    def _on_loaded(self) -> None:
+        names = self.served_names()
+        self.serving.served_names = names
+        self.metrics.set_model(names[0], self.aengine.engine.config.block_size)
+
+    def _build(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            self.aengine.start()
+            self.aengine.add_load_callback(self._on_loaded)
+            try:
+                yield
+            finally:
+                await self.aengine.shutdown()
+
+        app = FastAPI(title="kvmesh engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+        app.state.server = self
+        self._add_error_handlers(app)
+        self._add_routes(app)
+        return app
+
+    # ---- errors ------------------------------------------------------------------------
+    def _error_response(self, err: APIError) -> JSONResponse:
+        self.metrics.count_error(err.code)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    def _add_error_handlers(self, app: FastAPI) -> None:
+        @app.exception_handler(APIError)
+        async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+            return self._error_response(exc)
+
+        @app.exception_handler(RequestValidationError)
+        async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+            return self._error_response(errors.from_validation_errors(list(exc.errors())))
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            if exc.status_code == 404:
+                err = errors.route_not_found(request.url.path)
+            elif exc.status_code == 405:
+                err = errors.method_not_allowed(request.method, request.url.path)
+            else:
+                err = APIError(str(exc.detail), exc.status_code, "invalid_request_error", "http_error")
+            return self._error_response(err)
+
+        @app.exception_handler(Exception)
+        async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+            log.exception("unhandled error")
+            return self._error_response(errors.internal_error(f"{type(exc).__name__}: {exc}"))
+
+    # ---- routes ------------------------------------------------------------------------
+    def _add_routes(self, app: FastAPI) -> None:
+        aengine, serving = self.aengine, self.serving
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            # Alive unless the engine died (then a restart is the fix).
+            ok = aengine.state is not ServerState.FAILED
+            return JSONResponse({"status": "ok" if ok else "failed", "state": aengine.state.value},
+                                status_code=200 if ok else 503)
+
+        @app.get("/ready")
+        async def ready() -> JSONResponse:
+            return JSONResponse({"ready": aengine.ready, "state": aengine.state.value},
+                                status_code=200 if aengine.ready else 503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            body, content_type = render(self.metrics.registry)
+            return Response(body, media_type=content_type)
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [self._model_card(n) for n in self._loaded_names()]}
+
+        @app.get("/v1/models/{model:path}")
+        async def model(model: str) -> dict[str, Any]:
+            names = self._loaded_names()
+            if model not in names:
+                raise errors.model_not_found(model, names)
+            return self._model_card(model)
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, request: Request) -> Any:
+            arrival = time.monotonic()
+            aengine.check_accepting(0)
+            return await serving.respond(serving.prepare_completion(body), request, arrival)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+            arrival = time.monotonic()
+            aengine.check_accepting(0)
+            return await serving.respond(serving.prepare_chat(body), request, arrival)
+
+    def _loaded_names(self) -> list[str]:
+        if self.aengine.engine is None:
+            if self.aengine.state is ServerState.FAILED:
+                raise errors.engine_failed(str(self.aengine.failure))
+            raise errors.not_ready()
+        return self.served_names()
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "kvmesh",
+                "max_model_len": self.aengine.engine.max_model_len}
+
+
+def create_app(aengine: AsyncEngine, served_model_names: list[str] | None = None) -> FastAPI:
+    """The ASGI app serving `aengine` (started and stopped by the app's lifespan)."""
+    return ServerApp(aengine, served_model_names).app

@@ -1,0 +1,128 @@
+"""`kvmesh serve`: one engine behind the OpenAI-compatible HTTP API.
+
+This module is imported whenever the `kvmesh` parser is built, so it imports
+nothing heavy at module level (torch, FastAPI and the engine load in the handler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+
+ROLES = ("both", "prefill", "decode")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+          "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "2GiB", "512MiB", "1.5G", "1000000" (K/M/G/T are decimal, Ki/Mi/Gi/Ti binary)."""
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1000000)")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return n
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="default",
+                   help="'default' (the embedded SmolLM2-135M-Instruct, fetched on first use), a .gguf file "
+                        "or a Hugging Face safetensors directory (default: %(default)s)")
+    m.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="name(s) clients use in 'model' (repeatable; default: the model's own name)")
+    m.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16 (default: %(default)s)")
+    m.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: %(default)s)")
+    m.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion in tokens (default: the model's)")
+    m.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+    m.add_argument("--num-threads", type=int, default=None, help="CPU threads for the forward pass")
+    m.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+
+    k = p.add_argument_group("KV cache and batching")
+    k.add_argument("--kv-cache-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="KV memory budget, e.g. 2GiB (default: a fraction of free GPU memory; 2GiB on CPU)")
+    k.add_argument("--kv-cache-memory-fraction", type=float, default=0.85,
+                   help="share of free GPU memory for KV when --kv-cache-bytes is not given")
+    k.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides the budget)")
+    k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    k.add_argument("--max-num-seqs", type=int, default=128,
+                   help="most requests running at once (default: %(default)s)")
+    k.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step (default: %(default)s)")
+    k.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    k.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--role", choices=ROLES, default="both",
+                   help="both: prefill and decode in this engine (prefill/decode pools come later)")
+    s.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="sequences that may wait for their first token before new requests get 429 "
+                        "(0: unbounded; default: %(default)s)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests may run before they are aborted")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over the OpenAI-compatible API",
+        description="Run one engine behind an OpenAI-compatible HTTP API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /health, /ready, /metrics).")
+    add_serve_arguments(p)
+    p.set_defaults(func=handler)
+
+
+def settings_from_args(args: argparse.Namespace):  # -> ServeSettings (imported lazily)
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.server.runtime import ServeSettings
+
+    engine = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
+        attention_backend=args.attention_backend, num_threads=args.num_threads, seed=args.seed,
+    )
+    return ServeSettings(
+        engine=engine, host=args.host, port=args.port, served_model_names=list(args.served_model_name or []),
+        max_waiting_requests=args.max_waiting_requests, drain_timeout_s=args.drain_timeout,
+        log_level=args.log_level, access_log=args.access_log,
+    )
+
+
+def handler(args: argparse.Namespace) -> int:
+    """Entry point of `kvmesh serve`; returns the exit code (0 after a drained shutdown)."""
+    if args.role != "both":
+        print(f"kvmesh serve: --role {args.role} is not available yet; use --role both", file=sys.stderr)
+        return 2
+    from kvmesh.engine.config import ConfigError
+
+    settings = settings_from_args(args)
+    try:
+        settings.engine.validate()
+        settings.engine.resolved_device()
+    except ConfigError as e:
+        print(f"kvmesh serve: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvmesh.engine.server.runtime import serve
+
+    return serve(settings)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvmesh.engine.server`: the same as `kvmesh serve`."""
+    p = argparse.ArgumentParser(prog="kvmesh serve", description="Serve a model over the OpenAI-compatible API.")
+    add_serve_arguments(p)
+    return handler(p.parse_args(argv))

@@ -1,0 +1,290 @@
+"""Serve /v1/completions and /v1/chat/completions on top of the AsyncEngine.
+
+A request becomes a `Prepared` (prompts tokenized, one sampling-params set per
+choice, all validation done) before anything reaches the engine, so every 4xx
+is decided up front and never disturbs other requests. Then its n choices run
+as n engine sequences (`{id}-{index}`) in one `RequestGroup`, streamed as SSE
+chunks or collected into one body.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvmesh.engine.outputs import RequestOutput, TokenLogprob
+from kvmesh.engine.server import errors, params, responses
+from kvmesh.engine.server.async_engine import AsyncEngine, RequestGroup, SeqSubmission
+from kvmesh.engine.server.errors import APIError
+from kvmesh.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.engine.server.streaming import EventStreamResponse, watch_disconnect
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to submit."""
+
+    kind: Literal["completion", "chat"]
+    request_id: str
+    created: int
+    model: str
+    prompts: list[list[int]]
+    choices: list[params.ChoiceSpec]
+    stream: bool
+    include_usage: bool
+    num_top_logprobs: int | None
+    priority: int = 0
+    echo_texts: list[str] | None = None  # completions with echo=true: the prompt text per prompt
+
+    def seq_id(self, index: int) -> str:
+        return f"{self.request_id}-{index}"
+
+
+@dataclass
+class ChoiceState:
+    """What one choice accumulated so far."""
+
+    index: int
+    prompt_index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_tokens: int = 0
+    num_cached: int = 0
+    finish_reason: str | None = None
+    text_offset: int = 0
+
+
+def engine_error(exc: Exception) -> APIError:
+    """Map an engine validation error from add_request to its API error."""
+    from kvmesh.engine.engine import DuplicateRequestError, PromptTooLongError
+    from kvmesh.engine.sampling import InvalidSamplingParams
+
+    if isinstance(exc, PromptTooLongError):
+        return errors.context_length_exceeded(str(exc))
+    if isinstance(exc, DuplicateRequestError):
+        return errors.internal_error(str(exc))
+    if isinstance(exc, (InvalidSamplingParams, ValueError)):
+        return errors.invalid_request(str(exc))
+    return errors.internal_error(f"{type(exc).__name__}: {exc}")
+
+
+class Serving:
+    """The generation endpoints' logic; the FastAPI routes only parse and delegate."""
+
+    def __init__(self, aengine: AsyncEngine, served_names: list[str],
+                 count_error: Callable[[str], None] = lambda code: None) -> None:
+        self.aengine = aengine
+        self.served_names = served_names
+        self.count_error = count_error
+
+    # ---- preparation ------------------------------------------------------------------
+    @property
+    def _engine(self) -> Any:
+        return self.aengine.engine
+
+    def _limits(self) -> params.Limits:
+        e = self._engine
+        return params.Limits(max_model_len=e.max_model_len,
+                             kv_capacity_tokens=e.num_kv_blocks * e.config.block_size)
+
+    def _model(self, requested: str | None) -> str:
+        if requested is None or requested == "":
+            return self.served_names[0]
+        if requested not in self.served_names:
+            raise errors.model_not_found(requested, self.served_names)
+        return requested
+
+    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        model = self._model(req.model)
+        params.check_completion_unsupported(req)
+        tok = self._engine.tokenizer
+        prompts: list[list[int]] = []
+        for i, p in enumerate(req.prompts()):
+            ids = tok.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise errors.invalid_request(f"prompt {i} is empty; send at least one token", "prompt")
+            prompts.append(ids)
+        if len(prompts) * req.n > params.MAX_CHOICES:
+            raise errors.invalid_request(
+                f"{len(prompts)} prompts x n={req.n} is more than {params.MAX_CHOICES} sequences per request", "n")
+        choices = self._choices(req, prompts, params.COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs)
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else tok.decode(p) for p in req.prompts()]
+        return Prepared("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, prompts, choices,
+                        req.stream, req.include_usage, req.logprobs, req.priority, echo)
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        from kvmesh.engine.model.tokenizer import ChatTemplateError
+
+        model = self._model(req.model)
+        params.check_chat_unsupported(req)
+        messages = params.chat_messages(req.messages)
+        try:
+            ids = list(self._engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        except ChatTemplateError as e:
+            raise errors.invalid_request(str(e), "messages") from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        lp = params.chat_logprobs(req)
+        choices = self._choices(req, [ids], None, lp, max_tokens)
+        return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, [ids], choices,
+                        req.stream, req.include_usage, lp, req.priority)
+
+    def _choices(self, req: Any, prompts: list[list[int]], default_max: int | None, logprobs: int | None,
+                 max_tokens: int | None = None) -> list[params.ChoiceSpec]:
+        limits = self._limits()
+        requested = max_tokens if max_tokens is not None else req.max_tokens
+        out: list[params.ChoiceSpec] = []
+        for pi, ids in enumerate(prompts):
+            mt = params.resolve_max_tokens(requested, default_max, len(ids), limits)
+            base = params.sampling_params(req, mt, logprobs)
+            for spec in params.expand_choices(base, req.n, 1):
+                out.append(params.ChoiceSpec(index=pi * req.n + spec.index, prompt_index=pi, params=spec.params))
+        return out
+
+    # ---- execution --------------------------------------------------------------------
+    def submit(self, prep: Prepared, arrival_time: float) -> RequestGroup:
+        seqs = [SeqSubmission(prep.seq_id(c.index), prep.prompts[c.prompt_index], c.params) for c in prep.choices]
+        try:
+            return self.aengine.submit(seqs, priority=prep.priority, arrival_time=arrival_time)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - engine validation errors become 4xx
+            raise engine_error(e) from None
+
+    async def respond(self, prep: Prepared, request: Request, arrival_time: float) -> Response | EventStreamResponse:
+        group = self.submit(prep, arrival_time)
+        if prep.stream:
+            return EventStreamResponse(self._stream(prep, group), on_disconnect=lambda: self.aengine.abort(group))
+        watcher = watch_disconnect(request.receive, lambda: self.aengine.abort(group))
+        try:
+            return JSONResponse(await self._collect(prep, group))
+        finally:
+            watcher.cancel()
+            self.aengine.release(group)
+
+    def _states(self, prep: Prepared) -> dict[str, ChoiceState]:
+        return {prep.seq_id(c.index): ChoiceState(c.index, c.prompt_index) for c in prep.choices}
+
+    def _token_text(self) -> Any:
+        return _token_text_fn(self._engine.tokenizer)
+
+    def _usage(self, prep: Prepared, states: dict[str, ChoiceState]) -> dict[str, Any]:
+        prompt_tokens = sum(len(p) for p in prep.prompts)
+        cached = 0
+        for pi in range(len(prep.prompts)):
+            # Prompt tokens count once per prompt; its cached share is what every choice got.
+            cached += min((s.num_cached for s in states.values() if s.prompt_index == pi), default=0)
+        return responses.usage(prompt_tokens, sum(s.num_tokens for s in states.values()), cached)
+
+    def _logprobs_body(self, prep: Prepared, st: ChoiceState, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        if prep.num_top_logprobs is None:
+            return None
+        if prep.kind == "chat":
+            return responses.chat_logprobs(entries, self._token_text())
+        body, st.text_offset = responses.completion_logprobs(entries, self._token_text(), st.text_offset,
+                                                             prep.num_top_logprobs)
+        return body
+
+    @staticmethod
+    def _absorb(st: ChoiceState, out: RequestOutput) -> None:
+        st.num_tokens = len(out.output_token_ids)
+        st.num_cached = out.num_cached_tokens
+        if out.finished:
+            st.finish_reason = out.finish_reason
+
+    async def _collect(self, prep: Prepared, group: RequestGroup) -> dict[str, Any]:
+        states = self._states(prep)
+        while True:
+            outs = await group.next_outputs()
+            if not outs:
+                break
+            for out in outs:
+                st = states[out.request_id]
+                self._absorb(st, out)
+                if out.text_delta:
+                    st.text.append(out.text_delta)
+                if out.logprobs:
+                    st.logprobs.extend(out.logprobs)
+        choices = []
+        for st in sorted(states.values(), key=lambda s: s.index):
+            text = "".join(st.text)
+            if prep.kind == "chat":
+                lp = self._logprobs_body(prep, st, st.logprobs)
+                choices.append(responses.chat_choice(st.index, text, st.finish_reason, lp))
+            else:
+                if prep.echo_texts is not None:
+                    st.text_offset = len(prep.echo_texts[st.prompt_index])
+                    text = prep.echo_texts[st.prompt_index] + text
+                lp = self._logprobs_body(prep, st, st.logprobs)
+                choices.append(responses.completion_choice(st.index, text, st.finish_reason, lp))
+        body = responses.chat_body if prep.kind == "chat" else responses.completion_body
+        return body(prep.request_id, prep.created, prep.model, choices, self._usage(prep, states))
+
+    async def _stream(self, prep: Prepared, group: RequestGroup) -> AsyncIterator[bytes]:
+        rid, created, model = prep.request_id, prep.created, prep.model
+        states = self._states(prep)
+        chat = prep.kind == "chat"
+        try:
+            head = []
+            for st in sorted(states.values(), key=lambda s: s.index):
+                if chat:
+                    head.append(responses.sse(responses.chat_chunk(
+                        rid, created, model, st.index, {"role": "assistant", "content": ""})))
+                elif prep.echo_texts is not None:
+                    echo = prep.echo_texts[st.prompt_index]
+                    st.text_offset = len(echo)
+                    head.append(responses.sse(responses.completion_chunk(
+                        rid, created, model, responses.completion_choice(st.index, echo, None, None))))
+            if head:
+                yield b"".join(head)
+            while True:
+                outs = await group.next_outputs()
+                if not outs:
+                    break
+                parts = []
+                for out in outs:
+                    st = states[out.request_id]
+                    self._absorb(st, out)
+                    reason = out.finish_reason if out.finished else None
+                    if not out.text_delta and not out.logprobs and reason is None:
+                        continue  # text held back (possible stop string): nothing to say yet
+                    lp = self._logprobs_body(prep, st, out.logprobs or [])
+                    if chat:
+                        delta = {"content": out.text_delta} if out.text_delta else {}
+                        chunk = responses.chat_chunk(rid, created, model, st.index, delta, reason, lp)
+                    else:
+                        chunk = responses.completion_chunk(
+                            rid, created, model, responses.completion_choice(st.index, out.text_delta, reason, lp))
+                    parts.append(responses.sse(chunk))
+                if parts:
+                    yield b"".join(parts)
+            if prep.include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield responses.sse(responses.usage_chunk(rid, created, model, obj, self._usage(prep, states)))
+            yield responses.SSE_DONE
+        except APIError as e:
+            # Headers are gone already: report in-band, as OpenAI does.
+            self.count_error(e.code)
+            yield responses.sse(e.body())
+            yield responses.SSE_DONE
+        finally:
+            self.aengine.release(group)
+
+
+@functools.lru_cache(maxsize=8)
+def _token_text_fn(tokenizer: Any) -> Any:
+    """A cached id -> text function for logprobs (each token decoded on its own)."""
+
+    @functools.lru_cache(maxsize=65536)
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return text

@@ -1,0 +1,164 @@
+"""The engine server's metrics: kvmesh_* series plus the inference gateway's names.
+
+Latency histograms are observed on the event loop when a request's outputs
+arrive; engine gauges and cumulative counters are read at scrape time from the
+last `EngineStats` snapshot the engine thread published (never from the engine
+itself, which only its own thread touches).
+
+The Gateway API Inference Extension model-server protocol reads waiting and
+running request counts and KV cache utilization, plus optionally the block
+size and block count; its endpoint picker looks for them under vLLM's names by
+default, so we export those names too (`vllm:num_requests_waiting`,
+`vllm:num_requests_running`, `vllm:kv_cache_usage_perc` with its older alias
+`vllm:gpu_cache_usage_perc`, and `vllm:cache_config_info`). As in vLLM, the
+"perc" gauges hold a fraction in [0, 1].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+
+from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.server.metrics_util import (
+    REQUEST_LATENCY_BUCKETS,
+    TOKEN_LATENCY_BUCKETS,
+    CallbackCollector,
+    counter,
+    counter_family,
+    gauge_family,
+    histogram,
+    new_registry,
+)
+
+TIER_GPU = "gpu"  # device memory, whatever the device (the KV tier names are shared across roles)
+
+
+class StatsLike(Protocol):
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_kv_blocks: int
+    num_free_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class ServerMetrics:
+    """Metrics of one engine server. `stats` returns the latest engine snapshot or None before the first."""
+
+    def __init__(self, model_name: str, block_size: int, stats: Callable[[], StatsLike | None],
+                 ready: Callable[[], bool], registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or new_registry()
+        self.model_name = model_name
+        self.block_size = block_size
+        self._stats = stats
+        self._ready = ready
+        lbl = ("model_name",)
+        r = self.registry
+        self._hist_ttft = histogram(r, "kvmesh_time_to_first_token_seconds",
+                                    "Time from request arrival to its first output token.",
+                                    REQUEST_LATENCY_BUCKETS, lbl)
+        self._hist_itl = histogram(r, "kvmesh_inter_token_latency_seconds",
+                                   "Time between consecutive output tokens of a request (per token).",
+                                   TOKEN_LATENCY_BUCKETS, lbl)
+        self._hist_tpot = histogram(r, "kvmesh_time_per_output_token_seconds",
+                                    "Mean time per output token after the first, per finished request.",
+                                    TOKEN_LATENCY_BUCKETS, lbl)
+        self._hist_e2e = histogram(r, "kvmesh_e2e_request_latency_seconds",
+                                   "Time from request arrival to its last token.",
+                                   REQUEST_LATENCY_BUCKETS, lbl)
+        self._hist_queue = histogram(r, "kvmesh_request_queue_time_seconds",
+                                     "Time from request arrival to its first scheduling.",
+                                     REQUEST_LATENCY_BUCKETS, lbl)
+        self.set_model(model_name, block_size)
+        self._finished = counter(r, "kvmesh_requests_finished_total",
+                                 "Engine sequences finished, by finish reason (stop, length, abort).",
+                                 ("model_name", "finish_reason"))
+        self._errors = counter(r, "kvmesh_request_errors_total",
+                               "API requests answered with an error, by error code.",
+                               ("model_name", "code"))
+        r.register(CallbackCollector(self._engine_families))
+
+    def set_model(self, model_name: str, block_size: int) -> None:
+        """Bind the label values (known once the model is loaded; nothing is observed before)."""
+        self.model_name = model_name
+        self.block_size = block_size
+        if not model_name:
+            return  # no empty-labelled histogram series while the model loads
+        self._ttft = self._hist_ttft.labels(model_name)
+        self._itl = self._hist_itl.labels(model_name)
+        self._tpot = self._hist_tpot.labels(model_name)
+        self._e2e = self._hist_e2e.labels(model_name)
+        self._queue = self._hist_queue.labels(model_name)
+
+    # ---- observations (event loop) --------------------------------------------
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Count a finished sequence; record its latencies unless it was aborted."""
+        self._finished.labels(self.model_name, out.finish_reason or "unknown").inc()
+        if out.finish_reason == "abort":
+            return
+        m = out.metrics
+        if m.first_scheduled_time is not None:
+            self._queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.first_token_time is not None:
+            self._ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        end = m.finished_time or m.last_token_time
+        if end is not None:
+            self._e2e.observe(max(0.0, end - m.arrival_time))
+        n = len(out.output_token_ids)
+        if n > 1 and m.first_token_time is not None and m.last_token_time is not None:
+            self._tpot.observe(max(0.0, (m.last_token_time - m.first_token_time) / (n - 1)))
+
+    def observe_token_gap(self, seconds: float, num_tokens: int) -> None:
+        """`num_tokens` tokens arrived `seconds` after the previous token of the same request."""
+        if num_tokens > 0:
+            per = max(0.0, seconds) / num_tokens
+            for _ in range(num_tokens):
+                self._itl.observe(per)
+
+    def count_error(self, code: str) -> None:
+        self._errors.labels(self.model_name, code).inc()
+
+    # ---- scrape-time families ---------------------------------------------------
+    def _engine_families(self) -> Iterator[Metric]:
+        model = {"model_name": self.model_name}
+        tier = {"model_name": self.model_name, "tier": TIER_GPU}
+        yield gauge_family("kvmesh_server_ready", "1 when the server accepts requests, 0 while loading "
+                           "or draining.", 1.0 if self._ready() else 0.0, model)
+        s = self._stats()
+        if s is None:
+            return
+        yield gauge_family("kvmesh_num_requests_running", "Sequences in the running batch.", s.num_running, model)
+        yield gauge_family("kvmesh_num_requests_waiting", "Sequences waiting to be scheduled.",
+                           s.num_waiting, model)
+        yield gauge_family("kvmesh_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", s.kv_usage, tier)
+        yield gauge_family("kvmesh_kv_cache_blocks", "KV blocks in the pool.", s.num_kv_blocks, tier)
+        yield gauge_family("kvmesh_kv_cache_free_blocks", "KV blocks not held by any request "
+                           "(cached or empty).", s.num_free_blocks, tier)
+        yield counter_family("kvmesh_prompt_tokens_total", "Prompt tokens admitted.", s.prompt_tokens, model)
+        yield counter_family("kvmesh_generation_tokens_total", "Tokens generated.", s.generation_tokens, model)
+        yield counter_family("kvmesh_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                             s.prefix_queries, tier)
+        yield counter_family("kvmesh_prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
+                             s.prefix_hits, tier)
+        yield counter_family("kvmesh_preemptions_total", "Sequences preempted (recomputed later) for lack "
+                             "of KV blocks.", s.num_preemptions, model)
+        # Gateway API Inference Extension model-server protocol (vLLM's names).
+        yield gauge_family("vllm:num_requests_waiting", "TotalQueuedRequests: requests waiting to be scheduled.",
+                           s.num_waiting, model)
+        yield gauge_family("vllm:num_requests_running", "TotalRunningRequests: requests being served.",
+                           s.num_running, model)
+        yield gauge_family("vllm:kv_cache_usage_perc", "KVCacheUtilization: fraction of KV cache in use (0..1).",
+                           s.kv_usage, model)
+        yield gauge_family("vllm:gpu_cache_usage_perc", "KVCacheUtilization under its older name (0..1).",
+                           s.kv_usage, model)
+        yield gauge_family("vllm:cache_config_info", "KV cache geometry (BlockSize, NumGPUBlocks) as labels.", 1.0,
+                           {"model_name": self.model_name, "block_size": str(self.block_size),
+                            "num_gpu_blocks": str(s.num_kv_blocks)})

@@ -1,0 +1,181 @@
+"""From an API request to engine sampling parameters: pure functions, no I/O.
+
+Defaults follow OpenAI: temperature 1, top_p 1; completions generate 16 tokens
+unless told otherwise, chat generates up to the end of the context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+
+from kvmesh.engine.sampling import InvalidSamplingParams, SamplingParams
+from kvmesh.engine.server import errors
+from kvmesh.engine.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_CHOICES = 256  # engine sequences one request may start (prompts x n)
+_SEED_SPACE = 2**63
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What bounds one sequence: the model length and the KV pool (in tokens)."""
+
+    max_model_len: int
+    kv_capacity_tokens: int
+
+    @property
+    def max_total_tokens(self) -> int:
+        return min(self.max_model_len, self.kv_capacity_tokens)
+
+
+@dataclass(frozen=True)
+class ChoiceSpec:
+    """One engine sequence of a request: response choice `index` continues prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    params: SamplingParams
+
+
+def derive_seed(seed: int | None, choice: int) -> int | None:
+    """Seed of choice `choice`: the request's seed for choice 0, a stable hash of (seed, choice) after.
+
+    So n=1 and the first of n choices sample alike, and every choice is
+    reproducible but differs from the others.
+    """
+    if seed is None or choice == 0:
+        return seed
+    digest = hashlib.sha256(f"kvmesh-choice:{seed}:{choice}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % _SEED_SPACE
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, limits: Limits) -> int:
+    """How many tokens to generate; raise a 400 naming the limit when prompt + max_tokens does not fit.
+
+    `default=None` means "up to the end of the context" (chat).
+    """
+    if requested is not None and requested < 1:
+        raise errors.invalid_request(f"max_tokens must be at least 1, got {requested}", "max_tokens")
+    room = limits.max_total_tokens - prompt_len
+    if requested is None and default is None:
+        if room < 1:
+            raise errors.context_length_exceeded(_too_long(prompt_len, None, limits))
+        return room
+    max_tokens = requested if requested is not None else default
+    assert max_tokens is not None
+    if prompt_len + max_tokens > limits.max_total_tokens:
+        raise errors.context_length_exceeded(_too_long(prompt_len, max_tokens, limits))
+    return max_tokens
+
+
+def _too_long(prompt_len: int, max_tokens: int | None, limits: Limits) -> str:
+    if limits.kv_capacity_tokens < limits.max_model_len:
+        limit = f"the KV cache of this server holds at most {limits.kv_capacity_tokens} tokens per sequence"
+    else:
+        limit = f"this model's maximum context length is {limits.max_model_len} tokens"
+    if max_tokens is None:
+        return f"{limit}; the prompt has {prompt_len} tokens, which leaves no room to generate. Shorten the prompt."
+    return (f"{limit}; you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} for the completion). Shorten the prompt or lower max_tokens.")
+
+
+def check_common_unsupported(req: _SamplingFields) -> None:
+    """Reject parameters the engine does not implement instead of silently ignoring them."""
+    if req.presence_penalty:
+        raise errors.unsupported_parameter("presence_penalty", "only 0 is accepted")
+    if req.frequency_penalty:
+        raise errors.unsupported_parameter("frequency_penalty", "only 0 is accepted")
+    if req.logit_bias:
+        raise errors.unsupported_parameter("logit_bias")
+
+
+def check_completion_unsupported(req: CompletionRequest) -> None:
+    check_common_unsupported(req)
+    if req.suffix:
+        raise errors.unsupported_parameter("suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise errors.unsupported_parameter("best_of", "it must equal n when given")
+    if req.echo and req.logprobs is not None:
+        raise errors.unsupported_parameter("echo", "prompt logprobs are not available; drop logprobs or echo")
+
+
+def check_chat_unsupported(req: ChatCompletionRequest) -> None:
+    check_common_unsupported(req)
+    if req.tools:
+        raise errors.unsupported_parameter("tools")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise errors.unsupported_parameter("response_format", f"type {req.response_format.type!r}")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise errors.invalid_request("top_logprobs requires logprobs=true", "top_logprobs")
+    if req.top_logprobs is not None and req.top_logprobs > SamplingParams.MAX_LOGPROBS:
+        raise errors.invalid_request(
+            f"top_logprobs must be between 0 and {SamplingParams.MAX_LOGPROBS}, got {req.top_logprobs}",
+            "top_logprobs")
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    if not req.logprobs:
+        return None
+    return req.top_logprobs or 0
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template expects them: plain string contents, OpenAI's `developer` as `system`."""
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        if m.content is None:
+            text = ""
+        elif isinstance(m.content, str):
+            text = m.content
+        else:
+            parts = []
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise errors.unsupported_parameter(
+                        f"messages.{i}.content", f"content part type {part.type!r} (only text is served)")
+                parts.append(part.text)
+            text = "".join(parts)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+    return out
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The engine's parameters for choice 0 of `req`; raises a 400 naming the bad parameter."""
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=-1 if req.top_k is None or req.top_k == 0 else req.top_k,
+        min_p=0.0 if req.min_p is None else float(req.min_p),
+        seed=req.seed,
+        stop=req.stop_list(),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+    try:
+        return params.validate()
+    except InvalidSamplingParams as e:
+        raise errors.invalid_request(str(e), _param_of(str(e))) from None
+
+
+def _param_of(message: str) -> str | None:
+    """The engine's messages start with the parameter's name ("top_p must be ...")."""
+    head = message.split(" ", 1)[0]
+    return head if head.replace("_", "").isalpha() else None
+
+
+def expand_choices(base: SamplingParams, n: int, num_prompts: int) -> list[ChoiceSpec]:
+    """n choices per prompt, indexed prompt-major as OpenAI does (index = prompt * n + i)."""
+    specs = []
+    for p in range(num_prompts):
+        for i in range(n):
+            # A copy per sequence: the engine owns the params it is handed.
+            params = dataclasses.replace(base, seed=derive_seed(base.seed, i), stop=list(base.stop),
+                                         stop_token_ids=list(base.stop_token_ids))
+            specs.append(ChoiceSpec(index=p * n + i, prompt_index=p, params=params))
+    return specs

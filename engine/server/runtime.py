@@ -1,0 +1,147 @@
+"""Run the app under uvicorn with kvmesh's own signal handling.
+
+uvicorn's default SIGTERM handling stops listening at once (new requests get
+"connection refused", not a 503 the router can act on), and after shutdown it
+re-raises the signal, so the process dies by SIGTERM instead of exiting 0.
+`DrainingServer` replaces that:
+
+1. first SIGTERM/SIGINT: readiness turns false and new generation requests
+   get 503, while in-flight requests (streams included) run on;
+2. once none is in flight, or after `drain_timeout_s` (then the rest are
+   aborted and end with finish_reason "abort"), uvicorn shuts down normally;
+3. the process exits 0. A second SIGINT forces an immediate exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.server.app import ServerApp
+from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
+
+log = logging.getLogger("kvmesh.server")
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_ABORT_GRACE_S = 5.0  # after aborting leftovers at the drain timeout, time for their final chunks
+
+
+@dataclass
+class ServeSettings:
+    """Everything `kvmesh serve` needs besides the engine's own settings."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: list[str] = field(default_factory=list)
+    max_waiting_requests: int = 1024
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+    access_log: bool = False
+    timeout_keep_alive_s: int = 5
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server that drains on SIGTERM and exits 0 (see module doc)."""
+
+    def __init__(self, config: uvicorn.Config, aengine: AsyncEngine, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.aengine = aengine
+        self.drain_timeout_s = drain_timeout_s
+        self.exit_code = 0
+        self._draining: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self._on_signal) for sig in _SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+        # Unlike uvicorn we do not re-raise the signal: a drained server exits 0.
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining is not None or self._loop is None:
+            if sig == signal.SIGINT or self._loop is None:
+                self.force_exit = True
+                self.should_exit = True
+            return
+        self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+    def _start_drain(self, why: str) -> None:
+        if self._draining is None:
+            self._draining = asyncio.ensure_future(self.drain(why))
+
+    async def drain(self, why: str = "request") -> None:
+        """Stop taking requests, let in-flight ones finish (bounded), then shut down."""
+        n = self.aengine.num_active_requests
+        log.info("%s: draining (%d request(s) in flight, timeout %.0fs)", why, n, self.drain_timeout_s)
+        self.aengine.begin_drain()
+        if not await self.aengine.wait_idle(self.drain_timeout_s):
+            log.warning("drain timeout: aborting %d request(s)", self.aengine.num_active_requests)
+            self.aengine.abort_all()
+            await self.aengine.wait_idle(_ABORT_GRACE_S)
+        self.should_exit = True
+
+    async def startup(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+        self._watcher = asyncio.ensure_future(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        """Exit non-zero if the model fails to load."""
+        await self.aengine.loaded.wait()
+        if self.aengine.state is ServerState.FAILED:
+            log.error("engine failed to start: %s", self.aengine.failure)
+            self.exit_code = 1
+            self.should_exit = True
+        else:
+            log.info("ready: serving %s", ", ".join(self._names()))
+
+    def _names(self) -> list[str]:
+        server: ServerApp = self.config.app.state.server
+        return server.served_names()
+
+
+def build_server(settings: ServeSettings, engine_factory: Callable[[], Any] | None = None) -> DrainingServer:
+    """The server for `settings`; `engine_factory` defaults to loading `settings.engine`."""
+    if engine_factory is None:
+        from kvmesh.engine.engine import LLMEngine
+
+        cfg = settings.engine
+
+        def engine_factory() -> Any:
+            return LLMEngine(cfg)
+
+    aengine = AsyncEngine(engine_factory, max_waiting=settings.max_waiting_requests)
+    app = ServerApp(aengine, settings.served_model_names).app
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        access_log=settings.access_log, timeout_keep_alive=settings.timeout_keep_alive_s,
+        # In-flight work was drained already; this only bounds a stuck connection.
+        timeout_graceful_shutdown=10, lifespan="on",
+    )
+    return DrainingServer(config, aengine, settings.drain_timeout_s)
+
+
+def serve(settings: ServeSettings) -> int:
+    """Serve until drained; return the process exit code."""
+    server = build_server(settings)
+    server.run()
+    return server.exit_code

@@ -1,0 +1,170 @@
+"""The running operator: kopf watches, thin handlers, leader election, resync.
+
+Handlers only translate a watch event into "reconcile this CR" (reconcile.py
+does the work); no handler keeps state in the watched objects, so the operator
+adds no finalizers and no kopf annotations, and deleting an
+InferenceDeployment never waits on the operator: the garbage collector
+removes the children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+
+import kopf
+
+from . import kube
+from . import spec as s
+from .health import HealthState, serve_health
+from .leader import LeaseElector, LeaseStore
+from .reconcile import KubeOps, Reconciler, ReconcileError
+from .render import MANAGED_BY, OWNER_LABEL
+
+log = logging.getLogger("kvmesh.operator")
+
+
+@dataclass
+class OperatorOptions:
+    namespaces: list[str] = field(default_factory=list)  # empty: all namespaces
+    leader_election: bool = True
+    lease_name: str = "kvmesh-operator"
+    lease_namespace: str | None = None
+    lease_duration_s: int = 15
+    renew_deadline_s: float = 10.0
+    retry_period_s: float = 2.0
+    identity: str | None = None
+    health_host: str = "0.0.0.0"
+    health_port: int | None = 8080
+    resync_s: float = 60.0
+
+
+def production_ops() -> KubeOps:
+    return KubeOps(
+        get=kube.get_inference_deployment,
+        apply=kube.apply,
+        deployments=kube.child_deployments,
+        patch_status=kube.patch_status,
+        apply_error=kube.ApplyError,
+    )
+
+
+def _run(reconciler: Reconciler, namespace: str | None, name: str | None) -> None:
+    if not namespace or not name:
+        return
+    try:
+        reconciler.request(namespace, name)
+    except ReconcileError as exc:
+        # Reported in the CR's Degraded condition too; retried on the next event/resync.
+        log.warning("%s", exc)
+
+
+def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    children = {"app.kubernetes.io/managed-by": MANAGED_BY, OWNER_LABEL: kopf.PRESENT}
+
+    @kopf.on.login(id="login", registry=registry)
+    def login(**kwargs: object) -> kopf.ConnectionInfo | None:
+        # Same discovery as kube.py: $KUBECONFIG / ~/.kube/config or in-cluster.
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.on.startup(id="configure", registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: object) -> None:
+        settings.posting.level = logging.WARNING
+        # Serve the resources that exist at startup; watching CRDs and
+        # namespaces for changes would need cluster-wide RBAC the operator
+        # otherwise has no use for. (The chart installs the CRD first.)
+        settings.scanning.disabled = True
+        settings.watching.server_timeout = 300
+        settings.networking.request_timeout = 60
+
+    @kopf.on.event(s.GROUP, s.VERSION, s.PLURAL, id="inference-deployment", registry=registry)
+    def on_inference_deployment(event: dict, namespace: str, name: str, **_: object) -> None:
+        if event.get("type") == "DELETED":
+            return
+        _run(reconciler, namespace, name)
+
+    def on_child(labels: dict, namespace: str, **_: object) -> None:
+        # Any change to a child, including its deletion, re-renders its owner:
+        # a hand edit is reverted and a deleted child re-created.
+        _run(reconciler, namespace, labels.get(OWNER_LABEL))
+
+    for resource in (("apps", "v1", "deployments"), ("v1", "services"), ("v1", "configmaps")):
+        kopf.on.event(*resource, id=f"child-{resource[-1]}", labels=children,
+                      registry=registry)(on_child)
+    return registry
+
+
+async def _resync_forever(reconciler: Reconciler, opts: OperatorOptions) -> None:
+    """Backstop for missed events: reconcile every CR every resync_s seconds."""
+    while True:
+        await asyncio.sleep(opts.resync_s)
+        try:
+            objects = []
+            for ns in opts.namespaces or [None]:
+                objects += await asyncio.to_thread(kube.list_inference_deployments, ns)
+            await asyncio.to_thread(reconciler.resync, objects)
+        except Exception as exc:
+            log.warning("resync failed: %s", exc)
+
+
+def _default_identity() -> str:
+    return os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _lease_namespace(opts: OperatorOptions) -> str:
+    if opts.lease_namespace:
+        return opts.lease_namespace
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    path = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+    if os.path.exists(path):
+        with open(path) as fh:
+            return fh.read().strip()
+    return "default"
+
+
+async def run_operator(opts: OperatorOptions) -> int:
+    """Run until stopped (0) or until leadership is lost (1)."""
+    identity = opts.identity or _default_identity()
+    elector = None
+    if opts.leader_election:
+        store = LeaseStore(_lease_namespace(opts), opts.lease_name)
+        elector = LeaseElector(store, identity, opts.lease_duration_s,
+                               opts.renew_deadline_s, opts.retry_period_s)
+    health = HealthState(identity, is_leader=lambda: elector is None or elector.is_leader)
+    server = None
+    if opts.health_port is not None:
+        server = await serve_health(health, opts.health_host, opts.health_port)
+    health.started = True
+    await asyncio.to_thread(kube.api_client)  # fail fast on a bad kubeconfig
+    try:
+        if elector is not None:
+            await elector.acquire()
+        reconciler = Reconciler(production_ops())
+        stop = asyncio.Event()
+        kopf_task = asyncio.create_task(kopf.operator(
+            registry=build_registry(reconciler),
+            standalone=True,  # exclusivity comes from the Lease, not kopf peering
+            clusterwide=not opts.namespaces,
+            namespaces=opts.namespaces,
+            stop_flag=stop,
+        ))
+        others = [asyncio.create_task(_resync_forever(reconciler, opts))]
+        hold = asyncio.create_task(elector.hold()) if elector is not None else None
+        waiting = {kopf_task} | ({hold} if hold else set())
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        lost = hold is not None and hold in done
+        stop.set()
+        for task in others + ([hold] if hold and not hold.done() else []):
+            task.cancel()
+        await asyncio.gather(kopf_task, *others, return_exceptions=True)
+        return 1 if lost else 0
+    finally:
+        if elector is not None:
+            await asyncio.to_thread(elector.release)
+        if server is not None:
+            server.close()

@@ -1,0 +1,378 @@
+"""InferenceDeployment -> child manifests (pure functions, no I/O).
+
+One CR renders to exactly eight objects, always the same set whatever the
+spec (a pool scaled to zero keeps its Deployment at 0 replicas), so the
+operator never has to decide what to delete: the garbage collector removes
+children through their ownerReferences when the CR goes.
+
+    <name>-config     ConfigMap: the engine configuration file (kvmesh.yaml)
+    <name>-prefill    Deployment + headless Service   (`kvmesh serve --role prefill`)
+    <name>-decode     Deployment + headless Service   (`kvmesh serve --role decode|both`)
+    <name>-cache      Deployment + headless Service   (`kvmesh cache-node`)
+    <name>-router     Deployment + ClusterIP Service  (`kvmesh router`)
+
+Invariants: rendering is deterministic (same input, byte-identical output),
+so server-side apply of the result is a no-op when nothing changed; a pool's
+pod template changes only when something that pool consumes changes (its own
+spec section, or the part of the configuration file it reads, tracked by a
+per-pool hash annotation), so editing one pool never restarts another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import yaml
+
+from . import spec as s
+from .quantity import add_bytes, format_bytes, parse_quantity
+
+ENGINE_PORT = 8000
+CONFIG_DIR = "/etc/kvmesh"
+CONFIG_FILE = "kvmesh.yaml"
+MODEL_DIR = "/models"
+GPU_RESOURCE = "nvidia.com/gpu"
+# Host memory a cache node needs beyond its KV capacity (process, buffers).
+CACHE_OVERHEAD = "1Gi"
+CONFIG_HASH_ANNOTATION = "serving.kvmesh.io/config-hash"
+OWNER_LABEL = "serving.kvmesh.io/inference-deployment"
+MANAGED_BY = "kvmesh-operator"
+GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+# Which sections of the configuration file each pool reads: the per-pool
+# config hash covers only these, so e.g. an SLO edit restarts the router only.
+CONFIG_SECTIONS = {
+    "prefill": ("model", "services"),
+    "decode": ("model", "services"),
+    "cache": ("cache",),
+    "router": ("model", "services", "router", "slo"),
+}
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The CR a set of children belongs to."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int = 0
+
+    @classmethod
+    def from_object(cls, obj: Mapping[str, Any]) -> Owner:
+        meta = obj["metadata"]
+        return cls(meta["name"], meta["namespace"], meta["uid"], int(meta.get("generation", 0)))
+
+
+def child_name(owner: Owner, component: str) -> str:
+    return f"{owner.name}-{component}"
+
+
+def config_name(owner: Owner) -> str:
+    return f"{owner.name}-config"
+
+
+def service_host(owner: Owner, component: str) -> str:
+    return f"{child_name(owner, component)}.{owner.namespace}.svc"
+
+
+def router_url(owner: Owner) -> str:
+    return f"http://{service_host(owner, 'router')}:{ENGINE_PORT}"
+
+
+def selector_labels(owner: Owner, component: str) -> dict[str, str]:
+    """Immutable Deployment selector: never add keys here after release."""
+    return {
+        "app.kubernetes.io/name": "kvmesh",
+        "app.kubernetes.io/instance": owner.name,
+        "app.kubernetes.io/component": component,
+    }
+
+
+def labels(owner: Owner, component: str | None = None) -> dict[str, str]:
+    out = {
+        "app.kubernetes.io/name": "kvmesh",
+        "app.kubernetes.io/instance": owner.name,
+        "app.kubernetes.io/part-of": "kvmesh",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        OWNER_LABEL: owner.name,
+    }
+    if component:
+        out["app.kubernetes.io/component"] = component
+    return out
+
+
+def _meta(owner: Owner, name: str, component: str | None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": labels(owner, component),
+        "ownerReferences": [
+            {
+                "apiVersion": f"{s.GROUP}/{s.VERSION}",
+                "kind": s.KIND,
+                "name": owner.name,
+                "uid": owner.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
+
+
+def _endpoint(owner: Owner, component: str) -> str:
+    return f"{service_host(owner, component)}:{ENGINE_PORT}"
+
+
+def engine_config(spec: s.InferenceSpec, owner: Owner) -> dict[str, Any]:
+    """Content of kvmesh.yaml: what the pools read beyond their arguments."""
+    m = spec.model
+    source: dict[str, Any] = {"type": m.source_type}
+    if m.source_type == "Volume":
+        source["path"] = _model_path(spec)
+    if m.source_type == "URI":
+        source["uri"] = m.uri
+    services = {"decode": _endpoint(owner, "decode"), "router": _endpoint(owner, "router")}
+    if not spec.colocated:
+        services["prefill"] = _endpoint(owner, "prefill")
+    if spec.cache.replicas > 0:
+        services["cache"] = _endpoint(owner, "cache")
+    a = spec.autoscaling
+    return {
+        "model": {"name": m.name, "format": m.format, "source": source},
+        "services": services,
+        "cache": {"memory": spec.cache.memory},
+        "router": {"policy": spec.router.policy},
+        "slo": {
+            "ttftMs": spec.slo.ttft_ms,
+            "tpotMs": spec.slo.tpot_ms,
+            "percentile": spec.slo.percentile,
+        },
+        "autoscaling": {
+            "enabled": a.enabled,
+            "kvOccupancyTarget": a.kv_occupancy_target,
+            "scaleUpStabilizationSeconds": a.scale_up_stabilization_seconds,
+            "scaleDownStabilizationSeconds": a.scale_down_stabilization_seconds,
+            "metricsWindowSeconds": a.metrics_window_seconds,
+        },
+    }
+
+
+def config_hash(config: Mapping[str, Any], component: str) -> str:
+    view = {k: config[k] for k in CONFIG_SECTIONS[component]}
+    return hashlib.sha256(json.dumps(view, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _model_path(spec: s.InferenceSpec) -> str:
+    vol = spec.model.volume
+    return f"{MODEL_DIR}/{vol.path}" if vol and vol.path else MODEL_DIR
+
+
+def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[str]:
+    """The `kvmesh ...` command line a pool's container runs."""
+    common = ["--host", "0.0.0.0", "--port", str(ENGINE_PORT),
+              "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+    if component in ("prefill", "decode"):
+        role = "both" if component == "decode" and spec.colocated else component
+        args = ["kvmesh", "serve", "--role", role, "--model", spec.model.name]
+        if spec.model.source_type == "Volume":
+            args += ["--model-path", _model_path(spec)]
+        elif spec.model.source_type == "URI":
+            args += ["--model-uri", str(spec.model.uri)]
+        if spec.model.format != "Auto":
+            args += ["--model-format", spec.model.format.lower()]
+        if spec.cache.replicas > 0:
+            args += ["--cache-service", _endpoint(owner, "cache")]
+        return args + common
+    if component == "cache":
+        return ["kvmesh", "cache-node", "--memory", str(spec.cache.memory)] + common
+    if component == "router":
+        args = ["kvmesh", "router", "--policy", str(spec.router.policy),
+                "--model", spec.model.name]
+        if not spec.colocated:
+            args += ["--prefill-service", _endpoint(owner, "prefill")]
+        args += ["--decode-service", _endpoint(owner, "decode")]
+        if spec.cache.replicas > 0:
+            args += ["--cache-service", _endpoint(owner, "cache")]
+        return args + common
+    raise ValueError(f"unknown component {component!r}; expected one of {s.COMPONENTS}")
+
+
+def _resources(c: s.Component) -> dict[str, Any]:
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if c.resources.cpu is not None:
+        requests["cpu"] = str(c.resources.cpu)
+    memory = c.resources.memory
+    if c.name == "cache":
+        # A cache node must be able to hold its whole KV capacity.
+        floor = add_bytes(str(c.memory), CACHE_OVERHEAD)
+        if memory is None or parse_quantity(memory) < parse_quantity(floor):
+            memory = floor
+    if memory is not None:
+        memory = format_bytes(parse_quantity(memory))
+        requests["memory"] = memory
+        limits["memory"] = memory
+    if c.resources.gpus > 0:
+        limits[GPU_RESOURCE] = str(c.resources.gpus)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _tolerations(c: s.Component) -> list[dict[str, Any]]:
+    out = [t.to_manifest() for t in c.tolerations]
+    if c.resources.gpus > 0 and GPU_TOLERATION not in out:
+        out.append(dict(GPU_TOLERATION))
+    return out
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 2,
+        "failureThreshold": failures,
+    }
+
+
+def _env(owner: Owner, component: str) -> list[dict[str, Any]]:
+    def field(path: str) -> dict[str, Any]:
+        return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    return [
+        {"name": "KVMESH_POD_NAME", **field("metadata.name")},
+        {"name": "KVMESH_POD_NAMESPACE", **field("metadata.namespace")},
+        {"name": "KVMESH_POD_IP", **field("status.podIP")},
+        {"name": "KVMESH_NODE_NAME", **field("spec.nodeName")},
+        {"name": "KVMESH_DEPLOYMENT", "value": owner.name},
+        {"name": "KVMESH_COMPONENT", "value": component},
+    ]
+
+
+def render_deployment(
+    spec: s.InferenceSpec, owner: Owner, component: str, config: Mapping[str, Any]
+) -> dict[str, Any]:
+    c = spec.component(component)
+    engine = component in ("prefill", "decode")
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_name(owner)}}
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    if engine:
+        # torch's inter-process tensors live in /dev/shm, which defaults to 64Mi.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        vol = spec.model.volume
+        if spec.model.source_type == "Volume" and vol is not None:
+            source: dict[str, Any] = (
+                {"persistentVolumeClaim": {"claimName": vol.claim_name, "readOnly": True}}
+                if vol.claim_name
+                else {"hostPath": {"path": vol.host_path, "type": "Directory"}}
+            )
+            volumes.append({"name": "model", **source})
+            mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    argv = component_args(spec, owner, component)
+    container = {
+        "name": component,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        # `command` rather than args alone: works whatever the image's ENTRYPOINT.
+        "command": argv[:1],
+        "args": argv[1:],
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": _env(owner, component),
+        "resources": _resources(c),
+        "volumeMounts": mounts,
+        # Loading weights can take minutes; liveness only starts once /health answers.
+        "startupProbe": _probe("/health", 10, 90 if engine else 30),
+        "livenessProbe": _probe("/health", 10, 3),
+        "readinessProbe": _probe("/ready", 5, 3),
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": c.termination_grace_period_seconds,
+        "enableServiceLinks": False,
+        # The data plane never talks to the Kubernetes API.
+        "automountServiceAccountToken": False,
+    }
+    if c.node_selector:
+        pod_spec["nodeSelector"] = dict(sorted(c.node_selector.items()))
+    tolerations = _tolerations(c)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, child_name(owner, component), component),
+        "spec": {
+            "replicas": c.replicas,
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector_labels(owner, component)},
+            # Keep serving capacity during a rollout: add the new pod first.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {
+                "metadata": {
+                    "labels": labels(owner, component),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(ENGINE_PORT),
+                        "prometheus.io/path": "/metrics",
+                        CONFIG_HASH_ANNOTATION: config_hash(config, component),
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def render_service(owner: Owner, component: str) -> dict[str, Any]:
+    """Headless for engine pools and cache nodes (the router resolves pod IPs),
+    ClusterIP for the router (the stable entry point)."""
+    svc_spec: dict[str, Any] = {
+        "selector": selector_labels(owner, component),
+        "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+    }
+    if component == "router":
+        svc_spec["type"] = "ClusterIP"
+    else:
+        svc_spec["clusterIP"] = "None"
+        svc_spec["publishNotReadyAddresses"] = False
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, child_name(owner, component), component),
+        "spec": svc_spec,
+    }
+
+
+def render_configmap(owner: Owner, config: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(owner, config_name(owner), None),
+        "data": {CONFIG_FILE: yaml.safe_dump(dict(config), sort_keys=True)},
+    }
+
+
+def render_all(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every child of one InferenceDeployment object (raises spec.SpecError)."""
+    owner = Owner.from_object(obj)
+    spec = s.parse_spec(obj.get("spec") or {})
+    config = engine_config(spec, owner)
+    out = [render_configmap(owner, config)]
+    for component in s.COMPONENTS:
+        out.append(render_deployment(spec, owner, component, config))
+        out.append(render_service(owner, component))
+    return out

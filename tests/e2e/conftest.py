@@ -1,0 +1,94 @@
+"""Fixtures for the e2e suite: one real control plane per test session.
+
+Without $KUBECONFIG, `e2e/cluster up` starts etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler and kwok (fake GPU and CPU nodes) in a
+temporary directory, and `e2e/cluster down` stops them at the end. With
+$KUBECONFIG set (kind with a GPU node pool, say), the suite runs against that
+cluster instead and leaves it running; helm and kubectl then come from PATH,
+or from the harness's cache when PATH has none.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .helpers import ROOT, Cluster, OperatorProcess, wait_until
+
+CLUSTER = ROOT / "e2e" / "cluster"
+BUILD = ROOT / "e2e" / "build-binaries"
+
+
+def pytest_collection_modifyitems(items) -> None:
+    # The first e2e test's setup may include a cold build of the control plane
+    # (about 20 minutes on 2 cores), which must not count against the
+    # per-test timeout meant for the tests themselves.
+    for item in items:
+        if item.get_closest_marker("e2e") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(3600))
+
+
+def _cached_bin_dirs() -> list[Path]:
+    out = subprocess.run([str(BUILD), "--print-dirs"], capture_output=True, text=True,
+                         check=True).stdout
+    return [Path(line.split("=", 1)[1]) for line in out.split()]
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory) -> Cluster:
+    external = os.environ.get("KUBECONFIG")
+    if external:
+        needed = [t for t in ("kubectl", "helm") if shutil.which(t) is None]
+        if needed:  # take them from the harness's cache (built if missing)
+            subprocess.run([str(BUILD), "kubernetes", "helm"], check=True)
+        yield Cluster(Path(external), _cached_bin_dirs(), local=False)
+        return
+    state = tmp_path_factory.mktemp("cluster") / "state"
+    started = time.monotonic()
+    result = subprocess.run([str(CLUSTER), "up", str(state)], text=True,
+                            stdout=subprocess.PIPE, timeout=3600)
+    if result.returncode != 0:
+        pytest.fail(f"e2e/cluster up failed (exit {result.returncode}); see the output above "
+                    f"and the logs in {state / 'logs'}")
+    print(f"\nlocal control plane up in {time.monotonic() - started:.1f}s")
+    try:
+        yield Cluster(Path(result.stdout.strip().splitlines()[-1]), _cached_bin_dirs(),
+                      local=True)
+    finally:
+        subprocess.run([str(CLUSTER), "down", str(state)], timeout=120)
+
+
+@pytest.fixture(scope="session")
+def crd_installed(cluster: Cluster) -> None:
+    """The CRD from crds/, applied the way a user would, and Established."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/inferencedeployments.serving.kvmesh.io")
+
+
+@pytest.fixture(scope="module")
+def namespace(cluster: Cluster, request) -> str:
+    name = "e2e-" + request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace(
+        "_", "-")
+    cluster.create_namespace(name)
+    wait_until("default ServiceAccount", lambda: cluster.core.list_namespaced_service_account(
+        name, field_selector="metadata.name=default").items, timeout=60)
+    yield name
+    cluster.delete_namespace(name)
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster, crd_installed, namespace: str, tmp_path_factory):
+    """The operator, run as the admin user, watching the module's namespace."""
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    op = OperatorProcess.start(cluster.kubeconfig, log, "--namespace", namespace,
+                               "--lease-namespace", namespace, "--resync-period", "20")
+    wait_until("operator to lead", op.is_leader, timeout=30)
+    yield op
+    op.stop()
+    print(f"\n--- operator log ({log}) ---\n{op.tail(30)}")

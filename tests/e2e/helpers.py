@@ -1,0 +1,199 @@
+"""Helpers for tests against a real API server (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUP, VERSION, PLURAL = "serving.kvmesh.io", "v1alpha1", "inferencedeployments"
+# The engine image the tests put in their specs. On the local control plane no
+# container runs, so any name works; on kind it must be loaded into the nodes.
+IMAGE = os.environ.get("KVMESH_E2E_IMAGE", "kvmesh/kvmesh:0.1.0")
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout: float = 60, every: float = 0.3):
+    """Poll `check` until it returns something truthy; fail with `what` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except ApiException as exc:
+            last = f"ApiException {exc.status}: {exc.reason}"
+        else:
+            if last:
+                return last
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    kubeconfig: Path
+    bin_dirs: list[Path]
+    local: bool  # started by the fixture (kwok nodes) rather than $KUBECONFIG
+    api: client.ApiClient = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.api = config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    @property
+    def env(self) -> dict[str, str]:
+        path = os.pathsep.join(str(d) for d in self.bin_dirs)
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig),
+                "PATH": f"{path}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+    def run(self, *argv: str, check: bool = True, env: dict | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+        result = subprocess.run(list(argv), env=env or self.env, capture_output=True, text=True,
+                                timeout=timeout)
+        if check and result.returncode != 0:
+            raise AssertionError(f"{' '.join(argv)} failed ({result.returncode}):\n"
+                                 f"{result.stdout}\n{result.stderr}")
+        return result
+
+    def kubectl(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        return self.run("kubectl", *args, **kw)
+
+    def helm(self, *args: str, home: Path, **kw) -> subprocess.CompletedProcess:
+        env = {**self.env, "HELM_CACHE_HOME": str(home / "cache"),
+               "HELM_CONFIG_HOME": str(home / "config"), "HELM_DATA_HOME": str(home / "data")}
+        return self.run("helm", *args, env=env, **kw)
+
+    @property
+    def apps(self) -> client.AppsV1Api:
+        return client.AppsV1Api(self.api)
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api)
+
+    @property
+    def custom(self) -> client.CustomObjectsApi:
+        return client.CustomObjectsApi(self.api)
+
+    def create_namespace(self, name: str) -> str:
+        try:
+            self.core.create_namespace({"metadata": {"name": name}})
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        return name
+
+    def delete_namespace(self, name: str) -> None:
+        try:
+            self.core.delete_namespace(name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def get_cr(self, ns: str, name: str) -> dict | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def create_cr(self, ns: str, name: str, spec: dict) -> dict:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment",
+                "metadata": {"name": name}, "spec": spec}
+        return self.custom.create_namespaced_custom_object(
+            GROUP, VERSION, ns, PLURAL, body, field_validation="Strict")
+
+    def patch_cr(self, ns: str, name: str, patch: dict) -> dict:
+        return self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, ns, PLURAL, name, patch, _content_type="application/merge-patch+json")
+
+    def deployments(self, ns: str, owner: str) -> dict[str, Any]:
+        items = self.apps.list_namespaced_deployment(
+            ns, label_selector=f"serving.kvmesh.io/inference-deployment={owner}").items
+        return {d.metadata.labels["app.kubernetes.io/component"]: d for d in items}
+
+
+def condition(obj: dict | None, ctype: str) -> dict:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or ():
+        if c["type"] == ctype:
+            return c
+    return {}
+
+
+@dataclass
+class OperatorProcess:
+    """`python -m kvmesh.operator` as a child process, stopped by its pid."""
+
+    proc: subprocess.Popen
+    log: Path
+    health_port: int
+
+    @classmethod
+    def start(cls, kubeconfig: Path, log: Path, *args: str) -> OperatorProcess:
+        port = free_port()
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
+        out = open(log, "ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.operator", "--health-port", str(port),
+             "--health-host", "127.0.0.1", *args],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        out.close()
+        op = cls(proc, log, port)
+        wait_until("operator health endpoint", lambda: op.probe("/healthz") == 200 or
+                   op.exited(), timeout=60)
+        assert not op.exited(), op.tail()
+        return op
+
+    def exited(self) -> bool:
+        return self.proc.poll() is not None
+
+    def probe(self, path: str) -> int | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}{path}",
+                                        timeout=2) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return None
+
+    def is_leader(self) -> bool:
+        return self.probe("/leader") == 200
+
+    def tail(self, n: int = 60) -> str:
+        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
+        return "\n".join(lines[-n:])
+
+    def stop(self, sig_kill: bool = False) -> None:
+        if self.exited():
+            return
+        if sig_kill:
+            self.proc.kill()
+        else:
+            self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def dump(obj: Any) -> str:
+    return json.dumps(obj, indent=1, default=str)[:4000]

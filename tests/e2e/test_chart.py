@@ -1,0 +1,178 @@
+"""The Helm chart: lint and template clean, installs into the control plane,
+and its ServiceAccount's RBAC is enough for the operator (and no more)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+
+from .helpers import IMAGE, ROOT, OperatorProcess, condition, wait_until
+
+pytestmark = pytest.mark.e2e
+
+CHART = ROOT / "charts" / "kvmesh"
+RELEASE, RELEASE_NS = "kvmesh", "kvmesh-system"
+SA = f"system:serviceaccount:{RELEASE_NS}:{RELEASE}"
+
+
+def docs(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def kinds(objs: list[dict]) -> list[tuple[str, str]]:
+    return sorted((o["kind"], o["metadata"]["name"]) for o in objs)
+
+
+@pytest.fixture(scope="module")
+def helm_home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("helm")
+
+
+def test_lint_is_clean(cluster, helm_home):
+    out = cluster.helm("lint", "--strict", str(CHART), home=helm_home)
+    assert "0 chart(s) failed" in out.stdout, out.stdout
+    assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
+
+
+def test_template_defaults(cluster, helm_home):
+    objs = docs(cluster.helm("template", RELEASE, str(CHART), "-n", RELEASE_NS,
+                             home=helm_home).stdout)
+    assert kinds(objs) == [
+        ("ClusterRole", "kvmesh"), ("ClusterRoleBinding", "kvmesh"), ("Deployment", "kvmesh"),
+        ("Role", "kvmesh-leader-election"), ("RoleBinding", "kvmesh-leader-election"),
+        ("ServiceAccount", "kvmesh")]
+    dep = next(o for o in objs if o["kind"] == "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    assert dep["spec"]["replicas"] == 2 and pod["serviceAccountName"] == "kvmesh"
+    args = pod["containers"][0]["args"]
+    assert pod["containers"][0]["command"] == ["kvmesh"]
+    assert args[0] == "operator" and "--lease-name=kvmesh" in args
+    assert pod["containers"][0]["image"] == "kvmesh/kvmesh:0.1.0"
+    role = next(o for o in objs if o["kind"] == "ClusterRole")
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
+               for r in rule["resources"] for v in rule["verbs"]}
+    assert not any(v in ("delete", "deletecollection", "update", "*") for g, r, v in granted
+                   if r != "inferencedeployments/finalizers"), granted
+    assert not any(r in ("secrets", "pods", "*") for _, r, _ in granted), granted
+
+
+def test_template_options(cluster, helm_home):
+    objs = docs(cluster.helm(
+        "template", RELEASE, str(CHART), "-n", RELEASE_NS,
+        "--set", "serviceMonitor.enabled=true", "--set", "grafanaDashboards.enabled=true",
+        "--set", "operator.watchNamespaces={team-a,team-b}",
+        "--set", "operator.leaderElection.enabled=false", home=helm_home).stdout)
+    names = kinds(objs)
+    assert ("ServiceMonitor", "kvmesh-pools") in names
+    assert not any(k in ("ClusterRole", "ClusterRoleBinding") for k, _ in names)
+    assert sorted(o["metadata"]["namespace"] for o in objs if o["kind"] == "Role") == [
+        "team-a", "team-b"]
+    cm = next(o for o in objs if o["kind"] == "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    for name, text in cm["data"].items():
+        assert json.loads(text)["title"], name
+        assert text == (ROOT / "dashboards" / name).read_text().rstrip("\n")
+    args = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert "--standalone" in args and "--namespace=team-a" in args
+
+
+@pytest.fixture(scope="module")
+def installed(cluster, helm_home):
+    """The chart installed as a user would; uninstalled when the module ends."""
+    repository, tag = IMAGE.rsplit(":", 1)
+    cluster.helm("upgrade", "--install", RELEASE, str(CHART), "-n", RELEASE_NS,
+                 "--create-namespace", "--wait", "--timeout", "120s",
+                 "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+                 home=helm_home, timeout=180)
+    yield
+    cluster.helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", home=helm_home,
+                 check=False, timeout=180)
+
+
+def test_install_gives_a_ready_operator_deployment(cluster, installed):
+    dep = client.AppsV1Api(cluster.api).read_namespaced_deployment(RELEASE, RELEASE_NS)
+    assert dep.status.ready_replicas == 2
+    crd = client.ApiextensionsV1Api(cluster.api).read_custom_resource_definition(
+        "inferencedeployments.serving.kvmesh.io")
+    assert crd.spec.versions[0].name == "v1alpha1"
+    pods = cluster.core.list_namespaced_pod(
+        RELEASE_NS, label_selector="app.kubernetes.io/component=operator").items
+    assert len(pods) == 2
+    for p in pods:  # no GPU toleration: the operator lands on a CPU node
+        node = cluster.core.read_node(p.spec.node_name)
+        assert "nvidia.com/gpu" not in (node.status.allocatable or {}), p.spec.node_name
+
+
+def _token_kubeconfig(cluster, path: Path) -> Path:
+    token = cluster.core.create_namespaced_service_account_token(
+        RELEASE, RELEASE_NS, {"spec": {"expirationSeconds": 3600}}).status.token
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": admin["clusters"],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {
+            "cluster": admin["clusters"][0]["name"], "user": "operator"}}],
+        "current-context": "operator",
+    }))
+    return path
+
+
+def _allowed(cluster, verb: str, resource: str, group: str = "", ns: str = "default",
+             sub: str = "") -> bool:
+    review = client.AuthorizationV1Api(cluster.api).create_subject_access_review({
+        "spec": {"user": SA, "groups": ["system:serviceaccounts",
+                                         f"system:serviceaccounts:{RELEASE_NS}"],
+                 "resourceAttributes": {"verb": verb, "resource": resource, "group": group,
+                                        "namespace": ns, "subresource": sub}}})
+    return review.status.allowed
+
+
+def test_operator_runs_under_its_service_account(cluster, installed, crd_installed, namespace,
+                                                 tmp_path):
+    if not cluster.local:
+        # On a real cluster the chart's own pods run and hold the Lease; stop
+        # them so the operator started here leads and nothing else reconciles.
+        cluster.kubectl("scale", "deployment", RELEASE, "-n", RELEASE_NS, "--replicas=0")
+        wait_until("chart operator pods gone", lambda: not cluster.core.list_namespaced_pod(
+            RELEASE_NS, label_selector="app.kubernetes.io/component=operator").items,
+            timeout=120)
+    kubeconfig = _token_kubeconfig(cluster, tmp_path / "sa-kubeconfig")
+    op = OperatorProcess.start(kubeconfig, tmp_path / "operator.log",
+                               "--lease-namespace", RELEASE_NS, "--lease-name", RELEASE)
+    try:
+        wait_until("the ServiceAccount's operator to lead", op.is_leader, timeout=30)
+        cluster.create_cr(namespace, "rbac", {
+            "model": {"name": "smollm2-135m-instruct"}, "image": IMAGE, "prefill": {"replicas": 1},
+            "decode": {"replicas": 1}, "cache": {"replicas": 1}, "router": {"replicas": 1}})
+        wait_until("Ready under the ServiceAccount", lambda: condition(
+            cluster.get_cr(namespace, "rbac"), "Ready").get("status") == "True", timeout=90)
+        cluster.apps.delete_namespaced_deployment("rbac-decode", namespace)
+        wait_until("repair under the ServiceAccount",
+                   lambda: "decode" in cluster.deployments(namespace, "rbac"), timeout=60)
+    finally:
+        op.stop()
+    log = op.log.read_text()
+    assert f'User "{SA}" cannot' not in log, op.tail()
+    assert "Traceback" not in log, op.tail()
+
+
+@pytest.mark.parametrize("verb,resource,group,sub,allowed", [
+    ("patch", "deployments", "apps", "", True),
+    ("create", "services", "", "", True),
+    ("patch", "inferencedeployments", "serving.kvmesh.io", "status", True),
+    ("delete", "deployments", "apps", "", False),
+    ("update", "deployments", "apps", "", False),
+    ("get", "secrets", "", "", False),
+    ("create", "pods", "", "", False),
+    ("patch", "inferencedeployments", "serving.kvmesh.io", "", False),
+    ("delete", "inferencedeployments", "serving.kvmesh.io", "", False),
+])
+def test_service_account_permissions_are_least_privilege(cluster, installed, verb, resource,
+                                                         group, sub, allowed):
+    assert _allowed(cluster, verb, resource, group, sub=sub) is allowed

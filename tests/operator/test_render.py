@@ -1,0 +1,195 @@
+import copy
+
+import yaml
+
+from kvmesh.operator import render as r
+from kvmesh.operator.spec import COMPONENTS
+
+from .conftest import make_cr
+
+
+def by_key(objs):
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def deployment(objs, component):
+    return by_key(objs)[("Deployment", f"llm-{component}")]
+
+
+def container(objs, component):
+    return deployment(objs, component)["spec"]["template"]["spec"]["containers"][0]
+
+
+def argv(objs, component):
+    c = container(objs, component)
+    return c["command"] + c["args"]
+
+
+def test_renders_the_full_child_set_with_owner_references(cr):
+    objs = r.render_all(cr)
+    keys = set(by_key(objs))
+    assert keys == {("ConfigMap", "llm-config")} | {
+        (kind, f"llm-{c}") for c in COMPONENTS for kind in ("Deployment", "Service")}
+    for o in objs:
+        (ref,) = o["metadata"]["ownerReferences"]
+        assert ref["uid"] == "uid-1" and ref["controller"] is True
+        assert ref["kind"] == "InferenceDeployment"
+        assert o["metadata"]["namespace"] == "serving"
+        assert o["metadata"]["labels"][r.OWNER_LABEL] == "llm"
+
+
+def test_rendering_is_deterministic(cr):
+    assert r.render_all(cr) == r.render_all(copy.deepcopy(cr))
+
+
+def test_role_arguments(cr):
+    objs = r.render_all(cr)
+    assert argv(objs, "prefill")[:4] == ["kvmesh", "serve", "--role", "prefill"]
+    assert argv(objs, "decode")[:4] == ["kvmesh", "serve", "--role", "decode"]
+    assert argv(objs, "cache")[:4] == ["kvmesh", "cache-node", "--memory", "8Gi"]
+    router = argv(objs, "router")
+    assert router[:4] == ["kvmesh", "router", "--policy", "cache-aware"]
+    assert router[router.index("--prefill-service") + 1] == "llm-prefill.serving.svc:8000"
+    assert router[router.index("--decode-service") + 1] == "llm-decode.serving.svc:8000"
+    for c in ("prefill", "decode"):
+        args = argv(objs, c)
+        assert args[args.index("--cache-service") + 1] == "llm-cache.serving.svc:8000"
+
+
+def test_colocated_serving_runs_both_phases_on_decode():
+    cr = make_cr()
+    cr["spec"]["prefill"]["replicas"] = 0
+    objs = r.render_all(cr)
+    assert deployment(objs, "prefill")["spec"]["replicas"] == 0
+    assert argv(objs, "decode")[:4] == ["kvmesh", "serve", "--role", "both"]
+    assert "--prefill-service" not in argv(objs, "router")
+
+
+def test_no_cache_nodes_means_no_cache_service_argument():
+    cr = make_cr()
+    cr["spec"]["cache"]["replicas"] = 0
+    objs = r.render_all(cr)
+    for c in ("prefill", "decode", "router"):
+        assert "--cache-service" not in argv(objs, c)
+
+
+def test_gpu_pools_get_gpu_limits_and_tolerate_the_gpu_taint(cr):
+    objs = r.render_all(cr)
+    for c in ("prefill", "decode"):
+        pod = deployment(objs, c)["spec"]["template"]["spec"]
+        assert pod["containers"][0]["resources"]["limits"][r.GPU_RESOURCE] == "1"
+        assert r.GPU_TOLERATION in pod["tolerations"]
+    for c in ("cache", "router"):
+        pod = deployment(objs, c)["spec"]["template"]["spec"]
+        assert r.GPU_RESOURCE not in pod["containers"][0].get("resources", {}).get("limits", {})
+        assert "tolerations" not in pod
+
+
+def test_user_tolerations_and_node_selector_are_kept_without_duplicates():
+    cr = make_cr()
+    cr["spec"]["decode"].update({
+        "resources": {"gpus": 4},
+        "nodeSelector": {"gpu": "h100"},
+        "tolerations": [dict(r.GPU_TOLERATION), {"key": "spot", "operator": "Exists"}],
+    })
+    pod = deployment(r.render_all(cr), "decode")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h100"}
+    assert pod["tolerations"] == [r.GPU_TOLERATION, {"key": "spot", "operator": "Exists"}]
+    assert pod["containers"][0]["resources"]["limits"][r.GPU_RESOURCE] == "4"
+
+
+def test_probes_scrape_annotations_and_drain_time(cr):
+    objs = r.render_all(cr)
+    for c in COMPONENTS:
+        tmpl = deployment(objs, c)["spec"]["template"]
+        ctr = tmpl["spec"]["containers"][0]
+        assert ctr["livenessProbe"]["httpGet"]["path"] == "/health"
+        assert ctr["readinessProbe"]["httpGet"]["path"] == "/ready"
+        assert ctr["startupProbe"]["httpGet"]["path"] == "/health"
+        ann = tmpl["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true"
+        assert ann["prometheus.io/port"] == "8000"
+        assert ann["prometheus.io/path"] == "/metrics"
+        assert tmpl["spec"]["terminationGracePeriodSeconds"] >= 30
+        assert tmpl["metadata"]["labels"]["app.kubernetes.io/component"] == c
+        assert deployment(objs, c)["spec"]["selector"]["matchLabels"] == r.selector_labels(
+            r.Owner("llm", "serving", "uid-1"), c)
+
+
+def test_services_headless_for_pools_clusterip_for_router(cr):
+    objs = by_key(r.render_all(cr))
+    for c in ("prefill", "decode", "cache"):
+        assert objs[("Service", f"llm-{c}")]["spec"]["clusterIP"] == "None"
+    router = objs[("Service", "llm-router")]["spec"]
+    assert router["type"] == "ClusterIP" and "clusterIP" not in router
+    assert r.router_url(r.Owner("llm", "serving", "u")) == "http://llm-router.serving.svc:8000"
+
+
+def test_cache_memory_request_covers_kv_capacity():
+    cr = make_cr()
+    cr["spec"]["cache"].update({"memory": "64Gi", "resources": {"memory": "16Gi"}})
+    res = container(r.render_all(cr), "cache")["resources"]
+    assert res["requests"]["memory"] == "65Gi" == res["limits"]["memory"]
+    cr["spec"]["cache"]["resources"]["memory"] = "128Gi"
+    assert container(r.render_all(cr), "cache")["resources"]["requests"]["memory"] == "128Gi"
+
+
+def test_configmap_holds_the_engine_configuration(cr):
+    cm = by_key(r.render_all(cr))[("ConfigMap", "llm-config")]
+    cfg = yaml.safe_load(cm["data"][r.CONFIG_FILE])
+    assert cfg["model"]["name"] == "smollm2-135m-instruct"
+    assert cfg["slo"] == {"ttftMs": 500, "tpotMs": 50, "percentile": 95.0}
+    assert cfg["services"]["prefill"] == "llm-prefill.serving.svc:8000"
+
+
+def test_volume_model_source_is_mounted_read_only():
+    cr = make_cr()
+    cr["spec"]["model"]["source"] = {"type": "Volume", "volume": {
+        "persistentVolumeClaim": {"claimName": "weights"}, "path": "smollm2/model.gguf"}}
+    cr["spec"]["model"]["format"] = "GGUF"
+    objs = r.render_all(cr)
+    pod = deployment(objs, "decode")["spec"]["template"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights",
+                                                       "readOnly": True}} in pod["volumes"]
+    args = pod["containers"][0]["args"]
+    assert pod["containers"][0]["command"] == ["kvmesh"] and args[0] == "serve"
+    assert args[args.index("--model-path") + 1] == "/models/smollm2/model.gguf"
+    assert args[args.index("--model-format") + 1] == "gguf"
+    router_pod = deployment(objs, "router")["spec"]["template"]["spec"]
+    assert all(v["name"] != "model" for v in router_pod["volumes"])
+
+
+def _templates(cr):
+    objs = r.render_all(cr)
+    return {c: deployment(objs, c)["spec"]["template"] for c in COMPONENTS}
+
+
+def _changed_templates(edit):
+    before = make_cr()
+    after = make_cr()
+    edit(after["spec"])
+    old, new = _templates(before), _templates(after)
+    return {c for c in COMPONENTS if old[c] != new[c]}
+
+
+def test_edits_roll_only_the_pools_that_consume_them():
+    assert _changed_templates(lambda s: s["decode"].update(replicas=5)) == set()
+    assert _changed_templates(lambda s: s["decode"].update(resources={"gpus": 2})) == {"decode"}
+    assert _changed_templates(lambda s: s["router"].update(policy="session")) == {"router"}
+    assert _changed_templates(lambda s: s["slo"].update(ttftMs=900)) == {"router"}
+    assert _changed_templates(lambda s: s["cache"].update(memory="32Gi")) == {"cache"}
+    assert _changed_templates(lambda s: s["model"].update(name="other")) == {
+        "prefill", "decode", "router"}
+    assert _changed_templates(lambda s: s.update(image="kvmesh/kvmesh:0.2.0")) == set(COMPONENTS)
+
+
+def test_scaling_changes_only_the_replica_count():
+    before, after = make_cr(), make_cr()
+    after["spec"]["decode"]["replicas"] = 4
+    old, new = r.render_all(before), r.render_all(after)
+    diff = [(a, b) for a, b in zip(old, new) if a != b]
+    assert len(diff) == 1
+    a, b = diff[0]
+    assert b["metadata"]["name"] == "llm-decode" and b["spec"]["replicas"] == 4
+    a["spec"]["replicas"] = 4
+    assert a == b

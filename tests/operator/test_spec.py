@@ -1,0 +1,61 @@
+import pytest
+
+from kvmesh.operator import spec as s
+
+from .conftest import MINIMAL_SPEC
+
+
+def test_minimal_spec_gets_defaults():
+    spec = s.parse_spec(MINIMAL_SPEC)
+    assert spec.model.name == "smollm2-135m-instruct"
+    assert spec.model.source_type == "Embedded"
+    assert spec.image == s.DEFAULT_IMAGE
+    assert (spec.prefill.replicas, spec.decode.replicas) == (1, 2)
+    assert spec.prefill.resources.gpus == s.DEFAULT_GPUS
+    assert spec.cache.resources.gpus == 0  # CPU pools never get GPUs
+    assert spec.cache.memory == s.DEFAULT_CACHE_MEMORY
+    assert spec.router.policy == "cache-aware"
+    assert spec.slo.percentile == s.DEFAULT_PERCENTILE
+    assert spec.decode.termination_grace_period_seconds == s.DEFAULT_GRACE_S["decode"]
+    assert not spec.colocated
+
+
+def test_empty_components_default_to_one_replica():
+    spec = s.parse_spec({"model": {"name": "m"}})
+    assert [spec.component(c).replicas for c in s.COMPONENTS] == [1, 1, 1, 1]
+
+
+def test_prefill_zero_means_colocated():
+    assert s.parse_spec({"model": {"name": "m"}, "prefill": {"replicas": 0}}).colocated
+
+
+def test_missing_model_name_is_reported():
+    with pytest.raises(s.SpecError, match="spec.model.name is required"):
+        s.parse_spec({"model": {}})
+
+
+def test_bad_quantity_names_the_field():
+    with pytest.raises(s.SpecError, match=r"spec.decode.resources.memory"):
+        s.parse_spec({"model": {"name": "m"}, "decode": {"resources": {"memory": "lots"}}})
+
+
+def test_volume_source_needs_exactly_one_volume():
+    base = {"name": "m", "source": {"type": "Volume", "volume": {}}}
+    with pytest.raises(s.SpecError, match="exactly one"):
+        s.parse_spec({"model": base})
+    ok = s.parse_spec({"model": {"name": "m", "source": {
+        "type": "Volume", "volume": {"persistentVolumeClaim": {"claimName": "w"},
+                                     "path": "/llama/"}}}})
+    assert ok.model.volume.claim_name == "w" and ok.model.volume.path == "llama"
+
+
+def test_uri_source_needs_uri():
+    with pytest.raises(s.SpecError, match="uri is required"):
+        s.parse_spec({"model": {"name": "m", "source": {"type": "URI"}}})
+
+
+def test_tolerations_are_parsed():
+    spec = s.parse_spec({"model": {"name": "m"}, "decode": {"tolerations": [
+        {"key": "pool", "operator": "Equal", "value": "a100", "effect": "NoSchedule"}]}})
+    assert spec.decode.tolerations[0].to_manifest() == {
+        "key": "pool", "operator": "Equal", "value": "a100", "effect": "NoSchedule"}

@@ -1,0 +1,166 @@
+"""Request -> sampling parameters, errors and response helpers: pure functions."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kvmesh.engine.outputs import TokenLogprob
+from kvmesh.engine.server import errors, params, responses
+from kvmesh.engine.server.errors import APIError
+from kvmesh.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+
+LIMITS = params.Limits(max_model_len=100, kv_capacity_tokens=1000)
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+def test_derive_seed_keeps_choice_zero_and_separates_others():
+    assert params.derive_seed(None, 3) is None
+    assert params.derive_seed(42, 0) == 42
+    seeds = [params.derive_seed(42, i) for i in range(1, 6)]
+    assert len(set(seeds)) == 5 and 42 not in seeds
+    assert seeds == [params.derive_seed(42, i) for i in range(1, 6)]  # deterministic
+    assert params.derive_seed(43, 1) != params.derive_seed(42, 1)
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+@pytest.mark.parametrize("requested,default,prompt,expected", [
+    (10, 16, 5, 10), (None, 16, 5, 16), (None, None, 30, 70), (95, None, 5, 95),
+])
+def test_resolve_max_tokens(requested, default, prompt, expected):
+    assert params.resolve_max_tokens(requested, default, prompt, LIMITS) == expected
+
+
+@pytest.mark.parametrize("requested,default,prompt", [(96, None, 5), (None, None, 100), (None, 16, 90)])
+def test_resolve_max_tokens_beyond_context_names_the_limit(requested, default, prompt):
+    with pytest.raises(APIError) as e:
+        params.resolve_max_tokens(requested, default, prompt, LIMITS)
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+    assert "100 tokens" in e.value.message
+
+
+def test_resolve_max_tokens_names_kv_capacity_when_it_is_the_bound():
+    with pytest.raises(APIError, match="KV cache .* 50 tokens"):
+        params.resolve_max_tokens(60, None, 1, params.Limits(max_model_len=100, kv_capacity_tokens=50))
+
+
+def test_max_tokens_below_one_is_invalid():
+    with pytest.raises(APIError) as e:
+        params.resolve_max_tokens(0, 16, 1, LIMITS)
+    assert e.value.param == "max_tokens"
+
+
+def test_sampling_params_defaults_follow_openai():
+    p = params.sampling_params(chat(), 10, None)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.logprobs) == (1.0, 1.0, -1, 0.0, 10, None)
+    p = params.sampling_params(chat(temperature=0, stop="x", seed=5, top_k=3, ignore_eos=True), 4, 2)
+    assert (p.temperature, p.stop, p.seed, p.top_k, p.ignore_eos, p.logprobs) == (0.0, ["x"], 5, 3, True, 2)
+
+
+@pytest.mark.parametrize("field,value", [("temperature", 3.0), ("top_p", 0.0), ("min_p", 2.0), ("top_k", -5)])
+def test_sampling_params_range_errors_name_the_parameter(field, value):
+    with pytest.raises(APIError) as e:
+        params.sampling_params(chat(**{field: value}), 4, None)
+    assert e.value.status == 400 and e.value.param == field
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"presence_penalty": 0.1}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"logit_bias": {"1": 2.0}}, "logit_bias"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+])
+def test_chat_unsupported_or_inconsistent(kw, param):
+    with pytest.raises(APIError) as e:
+        params.check_chat_unsupported(chat(**kw))
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_zero_penalties_and_text_format_are_accepted():
+    params.check_chat_unsupported(chat(presence_penalty=0, frequency_penalty=0.0, response_format={"type": "text"}))
+
+
+@pytest.mark.parametrize("kw,param", [({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
+                                      ({"echo": True, "logprobs": 1}, "echo")])
+def test_completion_unsupported(kw, param):
+    with pytest.raises(APIError) as e:
+        params.check_completion_unsupported(CompletionRequest(prompt="x", **kw))
+    assert e.value.param == param
+
+
+def test_chat_logprobs_mapping():
+    assert params.chat_logprobs(chat()) is None
+    assert params.chat_logprobs(chat(logprobs=True)) == 0
+    assert params.chat_logprobs(chat(logprobs=True, top_logprobs=4)) == 4
+
+
+def test_chat_messages_flatten_text_parts_and_map_developer():
+    req = ChatCompletionRequest(messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None},
+    ])
+    assert params.chat_messages(req.messages) == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": ""}]
+    bad = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(APIError, match="image_url"):
+        params.chat_messages(bad.messages)
+
+
+def test_expand_choices_is_prompt_major_with_derived_seeds():
+    base = params.sampling_params(chat(seed=9, stop=["x"]), 4, None)
+    specs = params.expand_choices(base, n=3, num_prompts=2)
+    assert [(s.index, s.prompt_index) for s in specs] == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 1), (5, 1)]
+    assert [s.params.seed for s in specs[:3]] == [9, params.derive_seed(9, 1), params.derive_seed(9, 2)]
+    assert len({id(s.params) for s in specs}) == 6 and len({id(s.params.stop) for s in specs}) == 6
+
+
+def test_completion_prompt_shapes():
+    assert CompletionRequest(prompt="a").prompts() == ["a"]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]]
+    assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt=[])
+
+
+def test_validation_errors_become_openai_errors():
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "n": 0})
+    err = errors.from_validation_errors(e.value.errors())
+    assert (err.status, err.code, err.param) == (400, "invalid_request", "n")
+    body = err.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["type"] == "invalid_request_error"
+    bad_json = errors.from_validation_errors([{"type": "json_invalid", "loc": ("body", 3), "msg": "x",
+                                               "ctx": {"error": "Expecting value"}}])
+    assert bad_json.code == "invalid_json" and "Expecting value" in bad_json.message
+
+
+def test_status_errors_carry_retry_after():
+    q = errors.queue_full(8, 3)
+    assert (q.status, q.code, q.headers) == (429, "queue_full", {"Retry-After": "3"})
+    s = errors.shutting_down()
+    assert s.status == 503 and "Retry-After" in s.headers
+    assert errors.model_not_found("x", ["m"]).status == 404
+
+
+def test_sse_and_usage_helpers():
+    assert responses.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    assert responses.usage(5, 3, 2) == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                                        "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+def test_logprob_formats():
+    text = {1: "a", 2: "bc", 3: "d"}.__getitem__
+    entries = [TokenLogprob(1, -0.1, [(1, -0.1), (3, -2.0)]), TokenLogprob(2, -float("inf"), [(3, -0.5)])]
+    body, end = responses.completion_logprobs(entries, text, 10, num_top=1)
+    assert body["tokens"] == ["a", "bc"] and body["text_offset"] == [10, 11] and end == 13
+    assert body["token_logprobs"] == [-0.1, -9999.0]
+    assert body["top_logprobs"] == [{"a": -0.1}, {"d": -0.5, "bc": -9999.0}]
+    chat_body = responses.chat_logprobs(entries, text)
+    assert chat_body["content"][0] == {"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": [
+        {"token": "a", "logprob": -0.1, "bytes": [97]}, {"token": "d", "logprob": -2.0, "bytes": [100]}]}
