@@ -53,7 +53,7 @@ class CudaGraphDecoder:
             positions=self.positions[:b], slot_mapping=self.slots[:b],
             query_start_loc=self.query_start_loc[: b + 1], seq_lens=self.seq_lens[:b],
             block_tables=self.block_tables[:b], num_decodes=b, max_seq_len=self.max_seq_len,
-            max_query_len=1,
+            max_query_len=1, decode_max_seq_len=self.max_seq_len,
         ).finalize()
 
     @torch.inference_mode()

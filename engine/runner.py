@@ -64,6 +64,8 @@ class ModelRunner:
         positions = starts_t[seq_idx] + (torch.arange(t) - cu[:-1][seq_idx])
         slots = table[seq_idx, positions // bs].to(torch.int64) * bs + positions % bs
         seq_lens = (starts_t + q_lens_t).to(torch.int32)
+        nd = out.num_decodes
+        seq_lens_list = [c + n for c, n in zip(starts, q_lens)]
         meta = AttnMetadata(
             positions=positions.to(dev, non_blocking=True),
             slot_mapping=slots.to(dev, non_blocking=True),
@@ -71,8 +73,9 @@ class ModelRunner:
             seq_lens=seq_lens.to(dev, non_blocking=True),
             block_tables=table.to(dev, non_blocking=True),
             num_decodes=out.num_decodes,
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=max(seq_lens_list),
             max_query_len=max(q_lens),
+            decode_max_seq_len=max(seq_lens_list[:nd], default=0),
         ).finalize()
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         return ids, meta

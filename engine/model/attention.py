@@ -57,10 +57,14 @@ class AttentionBackend:
     """Chooses between the Triton kernels (CUDA) and their torch references (CPU).
 
     Both implement the same contract (engine/kernels/__init__.py); the engine
-    picks one at start-up and every layer uses it.
+    picks one at start-up and every layer uses it. On CPU, decode attention runs
+    the native C kernel when it can be built (`native_decode`), else the torch
+    reference. Host-side lengths from the metadata are passed down so no kernel
+    reads sequence lengths back from the device (which would also break CUDA
+    graph capture).
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, native_decode: bool = True) -> None:
         if name not in ("torch", "triton"):
             raise ValueError(f"unknown attention backend {name!r}")
         self.name = name
@@ -72,9 +76,11 @@ class AttentionBackend:
             self._decode = decode_attention.paged_decode_attention_triton
             self._extend = extend_attention.paged_extend_attention_triton
         else:
+            from kvmesh.engine.kernels.cpu_native import paged_decode_attention_cpu
+
             self.rms_norm = rmsnorm.rms_norm_ref
             self.rope_write_kv = rope.rope_write_kv_ref
-            self._decode = decode_attention.paged_decode_attention_ref
+            self._decode = paged_decode_attention_cpu if native_decode else decode_attention.paged_decode_attention_ref
             self._extend = extend_attention.paged_extend_attention_ref
 
     def attention(
@@ -88,15 +94,18 @@ class AttentionBackend:
         """q: [T, Hq, D] with decodes first; returns [T, Hq, D]."""
         nd = meta.num_decodes
         if nd == meta.num_seqs:
-            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+                                max_seq_len=meta.decode_max_seq_len)
         if nd == 0:
             return self._extend(
-                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+                max_query_len=meta.max_query_len,
             )
         out = torch.empty_like(q)
-        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+                                max_seq_len=meta.decode_max_seq_len)
         out[nd:] = self._extend(
             q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-            meta.prefill_seq_lens, scale,
+            meta.prefill_seq_lens, scale, max_query_len=meta.max_query_len,
         )
         return out

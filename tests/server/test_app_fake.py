@@ -22,7 +22,8 @@ from .fakes import FakeEngine, FakeTokenizer, expected_text
 TOK = FakeTokenizer()
 
 
-def make_client(engine: FakeEngine, max_waiting: int = 0, names: list[str] | None = None) -> tuple[TestClient, ServerApp]:
+def make_client(engine: FakeEngine, max_waiting: int = 0,
+                names: list[str] | None = None) -> tuple[TestClient, ServerApp]:
     server = ServerApp(AsyncEngine(lambda: engine, max_waiting=max_waiting), names)
     return TestClient(server.app), server
 
