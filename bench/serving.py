@@ -38,6 +38,11 @@ import httpx
 
 from kvmesh.engine.server.metrics_util import parse_samples, sample_value
 
+# Run as a script, bench/ is on sys.path.
+from batch_check import burst, offline_throughput  # noqa: E402
+from chat_client import RequestResult, send_chat  # noqa: E402
+from loadtool import crosscheck_table, run_guidellm, tokenizer_dir  # noqa: E402
+
 _WORDS = ("river stone light garden window paper music orange silver market winter bridge forest signal "
           "engine harbor lantern meadow canyon pepper velvet thunder marble compass rocket island "
           "quiet bright gentle rapid ancient hidden golden narrow simple curious").split()
@@ -59,17 +64,26 @@ def load_tokenizer(model: str):
 
 
 def make_prompt(tokenizer, rng: random.Random, num_tokens: int) -> str:
-    """User content of exactly `num_tokens` tokens: random notes, then a question."""
+    """User content of `num_tokens` tokens: random notes, then a question.
+
+    Cutting token ids and decoding may not round-trip through the tokenizer at
+    the cut, so a few cut points are tried; the first that re-encodes to
+    exactly `num_tokens` wins (servers report the real count in `usage`).
+    """
     question = rng.choice(_QUESTIONS)
     words: list[str] = []
     while True:
         text = "Notes: " + " ".join(words) + "\n" + question
-        n = len(tokenizer.encode(text))
-        if n >= num_tokens:
+        ids = tokenizer.encode(text)
+        if len(ids) >= num_tokens + 8:
             break
-        words.extend(rng.choice(_WORDS) for _ in range(max(1, (num_tokens - n) // 2)))
-    ids = tokenizer.encode(text)[-num_tokens:]  # trim from the front: keep the question
-    return tokenizer.decode(ids)
+        words.extend(rng.choice(_WORDS) for _ in range(max(1, (num_tokens + 8 - len(ids)) // 2)))
+    best = tokenizer.decode(ids[-num_tokens:])  # keep the question at the end
+    for start in range(len(ids) - num_tokens, max(-1, len(ids) - num_tokens - 8), -1):
+        cand = tokenizer.decode(ids[start:start + num_tokens])
+        if len(tokenizer.encode(cand)) == num_tokens:
+            return cand
+    return best
 
 
 def poisson_arrivals(rate: float, n: int, rng: random.Random) -> list[float]:
@@ -89,58 +103,6 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(s) - 1) * q / 100.0
     lo, hi = math.floor(k), math.ceil(k)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-# ---- one request ------------------------------------------------------------------------------------
-
-
-@dataclass
-class RequestResult:
-    ok: bool
-    sent: float
-    first: float = math.nan
-    last: float = math.nan
-    done: float = math.nan
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    error: str = ""
-
-    @property
-    def ttft(self) -> float:
-        return self.first - self.sent
-
-    @property
-    def tpot(self) -> float:
-        return (self.last - self.first) / (self.output_tokens - 1) if self.output_tokens > 1 else math.nan
-
-
-async def send_chat(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> RequestResult:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    res = RequestResult(ok=False, sent=time.perf_counter())
-    try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                for c in chunk.get("choices", []):
-                    if c.get("delta", {}).get("content"):
-                        now = time.perf_counter()
-                        if math.isnan(res.first):
-                            res.first = now
-                        res.last = now
-        res.done = time.perf_counter()
-        res.ok = res.output_tokens > 0 and not math.isnan(res.first)
-    except httpx.HTTPError as e:
-        res.error = f"{type(e).__name__}: {e}"
-    return res
 
 
 # ---- one rate -----------------------------------------------------------------------------------------
@@ -200,92 +162,6 @@ async def run_rate(url: str, model: str, prompts: list[str], rate: float, max_to
         prompt_tokens_mean=sum(r.prompt_tokens for r in ok) / len(ok) if ok else math.nan,
         errors=sorted({r.error for r in results if not r.ok})[:5],
     )
-
-
-# ---- GuideLLM cross-check ---------------------------------------------------------------------------------
-
-
-def tokenizer_dir(tokenizer) -> str:
-    """A directory with the HF tokenizer files, for tools that load a tokenizer by path."""
-    out = Path(tempfile.mkdtemp(prefix="kvmesh-tok-"))
-    tokenizer.hf.save_pretrained(str(out))
-    return str(out)
-
-
-def run_guidellm(exe: str, url: str, model: str, tok_dir: str, rate: float, n: int, prompt_tokens: int,
-                 max_tokens: int, seed: int) -> dict:
-    out_dir = Path(tempfile.mkdtemp(prefix="kvmesh-guidellm-"))
-    out = out_dir / "guidellm.json"
-    cmd = [exe, "run",
-           "--backend", f"kind=openai_http,target={url},model={model},request_format=/v1/chat/completions",
-           "--profile", f"kind=poisson,rate={rate}",
-           "--constraint", f"kind=max_requests,count={n}",
-           "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={max_tokens}",
-           "--tokenizer", f"kind=huggingface_auto,model={tok_dir}",
-           "--seed", f"kind=static,value={seed}",
-           "--output", f"kind=json,path={out}",
-           "--disable-console-interactive"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    # Run outside the repository: its top-level `operator/` would shadow the stdlib module.
-    proc = subprocess.run(cmd, cwd=out_dir, env=env, capture_output=True, text=True, timeout=7200)
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"guidellm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return {"command": " ".join(cmd), "summary": summarize_guidellm(json.loads(out.read_text()))}
-
-
-def summarize_guidellm(report: dict) -> dict:
-    """TTFT/TPOT percentiles (seconds) and throughput from a GuideLLM JSON report's first benchmark."""
-    bench = report["benchmarks"][0]
-    m = bench["metrics"]
-
-    def dist(name: str, scale: float) -> dict[str, float]:
-        d = m[name]["successful"]
-        pct = d["percentiles"]
-        return {"p50": pct["p50"] * scale, "p90": pct["p90"] * scale, "p99": pct["p99"] * scale,
-                "mean": d["mean"] * scale}
-
-    # GuideLLM's "inter token latency" is (last - first token time) / (tokens - 1): what we call
-    # TPOT. Its own "time per output token" divides the whole latency, TTFT included, by all tokens.
-    return {
-        "ttft_s": dist("time_to_first_token_ms", 1e-3),
-        "tpot_s": dist("inter_token_latency_ms", 1e-3),
-        "latency_per_token_s": dist("time_per_output_token_ms", 1e-3),
-        "e2e_s": dist("request_latency", 1.0),
-        "prompt_tokens_mean": m["prompt_token_count"]["successful"]["mean"],
-        "output_tok_s": m["output_tokens_per_second"]["successful"]["mean"],
-        "request_throughput": m["requests_per_second"]["successful"]["mean"],
-        "completed": m["request_totals"]["successful"],
-    }
-
-
-# ---- server overhead at full batch ---------------------------------------------------------------------
-
-
-def offline_throughput(engine_flags: dict, prompts: list[str], max_tokens: int) -> dict:
-    """Output tok/s of the offline engine on the same chat prompts, all submitted at once."""
-    from kvmesh.engine.config import EngineConfig
-    from kvmesh.engine.llm import LLM
-    from kvmesh.engine.sampling import SamplingParams
-
-    llm = LLM(EngineConfig(**engine_flags))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    convs = [[{"role": "user", "content": p}] for p in prompts]
-    llm.chat(convs[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    t0 = time.perf_counter()
-    results = llm.chat(convs, params)
-    dt = time.perf_counter() - t0
-    return {"output_tok_s": sum(len(r.token_ids) for r in results) / dt, "seconds": dt}
-
-
-async def burst(url: str, model: str, prompts: list[str], max_tokens: int) -> dict:
-    """All prompts at once as streaming requests: the server's throughput at full batch."""
-    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30), limits=limits) as client:
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(send_chat(client, url, model, p, max_tokens) for p in prompts))
-    dt = max(r.done for r in results if r.ok) - t0
-    ok = [r for r in results if r.ok]
-    return {"output_tok_s": sum(r.output_tokens for r in ok) / dt, "seconds": dt, "completed": len(ok)}
 
 
 # ---- reporting ----------------------------------------------------------------------------------------
@@ -356,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--guidellm", default=None, help="path to a guidellm executable for the cross-check")
     ap.add_argument("--crosscheck-rate", type=float, default=None, help="rate for the cross-check (default: "
                                                                          "the second of --rates)")
+    ap.add_argument("--crosscheck-requests", type=int, default=120,
+                    help="requests in the cross-check, for both tools (more requests, less sampling noise)")
     ap.add_argument("--batch-check", type=int, default=0, metavar="N",
                     help="also compare N simultaneous requests through the server with the offline engine "
                          "(needs --launch; the engine runs here first, then the server)")
@@ -407,18 +285,19 @@ def main(argv: list[str] | None = None) -> int:
             report["batch_check"] = {"num_requests": args.batch_check, "offline": offline, "server": served_burst,
                                      "ratio": served_burst["output_tok_s"] / offline["output_tok_s"]}
             print(f"{args.batch_check} requests at once: server {served_burst['output_tok_s']:.1f} out tok/s, "
-                  f"offline engine {offline['output_tok_s']:.1f} (ratio {report['batch_check']['ratio']:.2f})")
+                  f"offline engine {offline['output_tok_s']:.1f} (ratio {report['batch_check']['ratio']:.2f}); "
+                  f"the client used {served_burst['client_cpu_s']:.1f} CPU-s of {served_burst['seconds']:.1f} s; "
+                  f"event-loop lag per step: {served_burst['event_loop_lag']}")
         if args.guidellm:
             rate = args.crosscheck_rate or (rates[1] if len(rates) > 1 else rates[0])
+            n = args.crosscheck_requests
             exe = shutil.which(args.guidellm) or args.guidellm
-            g = run_guidellm(exe, url, served, tokenizer_dir(tokenizer), rate, args.num_requests,
-                             args.prompt_tokens, args.max_tokens, args.seed)
-            ours = next((r for r in results if r.rate == rate), None)
-            if ours is None:
-                rng = random.Random(args.seed * 1000 + 99)
-                prompts = [make_prompt(tokenizer, rng, args.prompt_tokens) for _ in range(args.num_requests)]
-                ours = asyncio.run(run_rate(url, served, prompts, rate, args.max_tokens, args.seed + 99))
-            report["crosscheck"] = {"rate": rate, "guidellm": g, "ours": asdict(ours)}
+            rng = random.Random(args.seed * 1000 + 99)
+            prompts = [make_prompt(tokenizer, rng, args.prompt_tokens) for _ in range(n)]
+            ours = asyncio.run(run_rate(url, served, prompts, rate, args.max_tokens, args.seed + 99))
+            g = run_guidellm(exe, url, served, tokenizer_dir(tokenizer), rate, n, args.prompt_tokens,
+                             args.max_tokens, args.seed)
+            report["crosscheck"] = {"rate": rate, "num_requests": n, "guidellm": g, "ours": asdict(ours)}
             print(crosscheck_table(rate, ours, g["summary"]))
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -439,20 +318,6 @@ def _engine_flags(serve_flags: str, model: str) -> dict:
     add_serve_arguments(p)
     cfg = settings_from_args(p.parse_args(["--model", model, *serve_flags.split()])).engine
     return {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
-
-
-def crosscheck_table(rate: float, ours: RateResult, theirs: dict) -> str:
-    def row(name: str, ttft: dict, tpot: dict, tok_s: float, req_s: float) -> str:
-        return (f"| {name} | {ttft['p50']:.2f} / {ttft['p90']:.2f} / {ttft['p99']:.2f} | "
-                f"{tpot['p50'] * 1e3:.0f} / {tpot['p90'] * 1e3:.0f} / {tpot['p99'] * 1e3:.0f} | {tok_s:.1f} | "
-                f"{req_s:.2f} |")
-
-    return "\n".join([
-        f"cross-check at {rate:g} req/s",
-        "| tool | TTFT p50/p90/p99 (s) | TPOT p50/p90/p99 (ms) | out tok/s | req/s |", "|---|---|---|---|---|",
-        row("bench/serving.py", ours.ttft_s, ours.tpot_s, ours.output_tok_s, ours.request_throughput),
-        row("guidellm", theirs["ttft_s"], theirs["tpot_s"], theirs["output_tok_s"], theirs["request_throughput"]),
-    ])
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ oracle) with a Triton kernel (``*_triton``, the CUDA path) of the same signature
 - ``extend_attention.paged_extend_attention_*(q, k_cache, v_cache, block_tables,
   query_start_loc, seq_lens, scale)``: causal attention for a flat batch of new tokens.
 
+``cpu_native.paged_decode_attention_cpu`` has the decode contract too: a C kernel built on
+first use that reads K/V straight from the paged cache instead of gathering a padded copy;
+the CPU engine uses it for decode and falls back to the reference where it cannot be built.
+
 KV cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token's slot
 is ``block_id * block_size + offset``. ``seq_lens`` counts the tokens of the current step, whose
 K/V are written (by ``rope_write_kv_*``) before attention runs. Query head ``h`` uses kv head

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kvmesh.engine.kernels.rope import build_cos_sin_cache
 from kvmesh.engine.model.attention import AttentionBackend, AttnMetadata
 from kvmesh.engine.model.config import ModelConfig
+from kvmesh.engine.model.linear import LinearFactory, LinearFn
 
 
 class WeightsError(ValueError):
@@ -24,14 +25,13 @@ class WeightsError(ValueError):
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
-    qkv_bias: torch.Tensor | None
+    qkv: LinearFn  # -> [T, (Hq + 2 Hkv) * D]
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: LinearFn
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: LinearFn  # -> [T, 2 * intermediate]
+    down: LinearFn
 
 
 class LlamaModel:
@@ -66,13 +66,14 @@ class LlamaModel:
             return t.to(device=device, dtype=dtype).contiguous()
 
         c = config
+        linear = LinearFactory(device, dtype)
         qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         self.norm = take("model.norm.weight", (c.hidden_size,))
         if c.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed
+            self.lm_head = linear(self.embed)
         else:
-            self.lm_head = take("lm_head.weight", (c.vocab_size, c.hidden_size))
+            self.lm_head = linear(take("lm_head.weight", (c.vocab_size, c.hidden_size)))
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -86,17 +87,16 @@ class LlamaModel:
                 bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
-                qkv=qkv,
-                qkv_bias=bias,
+                qkv=linear(qkv, bias),
                 q_norm=take(p + "self_attn.q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
                 k_norm=take(p + "self_attn.k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
-                o=take(p + "self_attn.o_proj.weight", (c.hidden_size, qd)),
+                o=linear(take(p + "self_attn.o_proj.weight", (c.hidden_size, qd))),
                 post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-                gate_up=torch.cat([
+                gate_up=linear(torch.cat([
                     take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
                     take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
-                ]),
-                down=take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)),
+                ])),
+                down=linear(take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))),
             ))
         self.cos_sin = build_cos_sin_cache(
             c.head_dim, max_position, c.rope_theta, c.rope_scaling, device=device
@@ -126,7 +126,7 @@ class LlamaModel:
                 x, _ = be.rms_norm(h, lw.input_norm, eps)
             else:
                 x, residual = be.rms_norm(h, lw.input_norm, eps, residual)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            qkv = lw.qkv(x)
             q = qkv[:, :qd].view(t, hq, d)
             k = qkv[:, qd:qd + kvd].view(t, hkv, d)
             v = qkv[:, qd + kvd:].view(t, hkv, d)
@@ -136,14 +136,14 @@ class LlamaModel:
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             q, _ = be.rope_write_kv(q, k, v, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping)
             o = be.attention(q, k_cache, v_cache, meta, self.scale)
-            h = F.linear(o.reshape(t, qd), lw.o)
+            h = lw.o(o.reshape(t, qd))
             x, residual = be.rms_norm(h, lw.post_norm, eps, residual)
-            gu = F.linear(x, lw.gate_up)
+            gu = lw.gate_up(x)
             g, u = gu.chunk(2, dim=-1)
-            h = F.linear(F.silu(g) * u, lw.down)
+            h = lw.down(F.silu(g) * u)
         out, _ = be.rms_norm(h, self.norm, eps, residual)
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

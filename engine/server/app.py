@@ -39,6 +39,7 @@ class ServerApp:
                                      stats=lambda: aengine.stats, ready=lambda: aengine.ready)
         aengine.on_finished = self.metrics.observe_finished
         aengine.on_token_gap = self.metrics.observe_token_gap
+        aengine.on_dispatch_lag = self.metrics.observe_dispatch_lag
         self.serving = Serving(aengine, [], count_error=self.metrics.count_error)
         self.app = self._build()
 
@@ -56,8 +57,8 @@ class ServerApp:
     def _build(self) -> FastAPI:
         @asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-            self.aengine.start()
             self.aengine.add_load_callback(self._on_loaded)
+            self.aengine.start()
             try:
                 yield
             finally:

@@ -114,12 +114,14 @@ class AsyncEngine:
 
         Hooks (set before start, run on the event loop): `on_finished(output)`
         for each finished sequence, `on_token_gap(seconds, num_tokens)` for each
-        output that carries tokens after a request's first.
+        output that carries tokens after a request's first, `on_dispatch_lag(s)`
+        per step: how long its outputs waited for the event loop.
         """
         self._factory = factory
         self.max_waiting = max_waiting
         self.on_finished: Callable[[RequestOutput], None] | None = None
         self.on_token_gap: Callable[[float, int], None] | None = None
+        self.on_dispatch_lag: Callable[[float], None] | None = None
         self._load_callbacks: list[Callable[[], None]] = []
         self.engine: Any = None
         self.state = ServerState.LOADING
@@ -305,6 +307,8 @@ class AsyncEngine:
 
     def _dispatch(self, outs: list[RequestOutput], t: float) -> None:
         """All outputs of one step: route them to their groups, one wakeup per group."""
+        if self.on_dispatch_lag is not None:
+            self.on_dispatch_lag(time.monotonic() - t)
         batches: dict[RequestGroup, list[RequestOutput]] = {}
         for out in outs:
             rid = out.request_id

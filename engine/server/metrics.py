@@ -24,6 +24,7 @@ from prometheus_client.core import Metric
 
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.server.metrics_util import (
+    EVENT_LOOP_LAG_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TOKEN_LATENCY_BUCKETS,
     CallbackCollector,
@@ -77,6 +78,11 @@ class ServerMetrics:
         self._hist_queue = histogram(r, "kvmesh_request_queue_time_seconds",
                                      "Time from request arrival to its first scheduling.",
                                      REQUEST_LATENCY_BUCKETS, lbl)
+        # No model label: it measures this process's event loop, whatever it serves.
+        self._loop_lag = histogram(r, "kvmesh_event_loop_lag_seconds",
+                                   "Time from the end of an engine step until the event loop dispatches "
+                                   "its outputs (stays small while the server keeps up with the engine).",
+                                   EVENT_LOOP_LAG_BUCKETS)
         self.set_model(model_name, block_size)
         self._finished = counter(r, "kvmesh_requests_finished_total",
                                  "Engine sequences finished, by finish reason (stop, length, abort).",
@@ -122,6 +128,9 @@ class ServerMetrics:
             per = max(0.0, seconds) / num_tokens
             for _ in range(num_tokens):
                 self._itl.observe(per)
+
+    def observe_dispatch_lag(self, seconds: float) -> None:
+        self._loop_lag.observe(max(0.0, seconds))
 
     def count_error(self, code: str) -> None:
         self._errors.labels(self.model_name, code).inc()

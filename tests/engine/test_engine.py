@@ -63,10 +63,11 @@ def test_stop_string_truncates_and_streams_nothing_after(llm):
 
 def test_stop_token_ids_and_max_tokens(llm):
     prompt = llm.tokenizer.apply_chat_template(CHAT)
-    [full] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))
+    [full] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert full.finish_reason == "length" and len(full.token_ids) == 12
     stop_tok = full.token_ids[3]
-    [r] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_tok]))
+    [r] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                stop_token_ids=[stop_tok]))
     assert r.finish_reason == "stop" and r.stop_reason == stop_tok
     assert r.token_ids == full.token_ids[: full.token_ids.index(stop_tok) + 1]
 

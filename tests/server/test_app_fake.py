@@ -285,6 +285,7 @@ def test_metrics_after_requests(client, engine):
     assert sample_value(m, "kvmesh_e2e_request_latency_seconds_count") == 3
     assert sample_value(m, "kvmesh_time_per_output_token_seconds_count") == 3
     assert sample_value(m, "kvmesh_inter_token_latency_seconds_count") == 9  # 3 gaps per 4-token request
+    assert sample_value(m, "kvmesh_event_loop_lag_seconds_count") >= 4  # once per step with outputs
     assert sample_value(m, "kvmesh_generation_tokens_total") == engine.generation_tokens == 12
     assert sample_value(m, "kvmesh_prompt_tokens_total") == 9
     assert sample_value(m, "kvmesh_server_ready") == 1.0

@@ -17,7 +17,7 @@ def test_names_must_carry_the_prefix_and_seconds():
 
 
 def test_bucket_sets_are_sorted_seconds():
-    for buckets in (mu.REQUEST_LATENCY_BUCKETS, mu.TOKEN_LATENCY_BUCKETS):
+    for buckets in (mu.REQUEST_LATENCY_BUCKETS, mu.TOKEN_LATENCY_BUCKETS, mu.EVENT_LOOP_LAG_BUCKETS):
         assert list(buckets) == sorted(set(buckets)) and buckets[0] > 0
 
 
