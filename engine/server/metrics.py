@@ -17,12 +17,15 @@ default, so we export those names too (`vllm:num_requests_waiting`,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from kvmesh.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:  # the engine module pulls in torch; only its dataclass is needed here
+    from kvmesh.engine.engine import EngineStats
 from kvmesh.engine.server.metrics_util import (
     EVENT_LOOP_LAG_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
@@ -38,23 +41,10 @@ from kvmesh.engine.server.metrics_util import (
 TIER_GPU = "gpu"  # device memory, whatever the device (the KV tier names are shared across roles)
 
 
-class StatsLike(Protocol):
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_kv_blocks: int
-    num_free_blocks: int
-    prefix_queries: int
-    prefix_hits: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-
-
 class ServerMetrics:
     """Metrics of one engine server. `stats` returns the latest engine snapshot or None before the first."""
 
-    def __init__(self, model_name: str, block_size: int, stats: Callable[[], StatsLike | None],
+    def __init__(self, model_name: str, block_size: int, stats: Callable[[], "EngineStats | None"],
                  ready: Callable[[], bool], registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or new_registry()
         self.model_name = model_name
