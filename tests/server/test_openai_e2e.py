@@ -361,14 +361,15 @@ def test_disconnect_mid_stream_frees_kv(server):
     n = 4
     clients = [httpx.Client(timeout=600) for _ in range(n)]
     streams = [c.stream("POST", server.url(_CHAT), json=body) for c in clients]
-    responses = [s.__enter__() for s in streams]
-    for r in responses:
+    # Keep each line iterator referenced: dropping one closes its connection early.
+    line_iters = [s.__enter__().iter_lines() for s in streams]
+    for it in line_iters:
         events = 0
-        for line in r.iter_lines():
+        while events < 3:
+            line = next(it)
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                 events += 1
-                if events == 3:
-                    break
+    assert server.metric("kvmesh_num_requests_running") == n
     assert server.metric("kvmesh_kv_cache_usage_ratio") > idle  # the streams hold blocks
     dropped = time.monotonic()
     for s, c in zip(streams, clients):
