@@ -69,7 +69,7 @@ class LLM:
                     results[out.request_id] = GenerationResult(
                         request_id=out.request_id,
                         prompt_token_ids=prompt_ids[out.request_id],
-                        token_ids=list(out.output_token_ids),
+                        token_ids=out.output_token_ids,
                         text=out.text,
                         finish_reason=out.finish_reason or "stop",
                         stop_reason=out.stop_reason,

@@ -30,7 +30,9 @@ class RequestOutput:
     """The delta a step produced for one request, plus its running totals.
 
     `new_token_ids`, `text_delta` and `logprobs` hold only what this step added;
-    `output_token_ids` and `text` are everything so far. When `finished` is True
+    `num_output_tokens` counts the tokens generated so far. `output_token_ids` and
+    `text` (the totals) are filled in the final output only: copying them on every
+    step would make a long stream quadratic. When `finished` is True
     this is the request's last output and `finish_reason` is one of
     "stop" (EOS, stop token or stop string), "length" (max_tokens or the model
     length) or "abort".
@@ -48,3 +50,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None
     metrics: RequestMetrics
     stop_reason: int | str | None = None  # the stop token id or string that ended it
+    num_output_tokens: int = -1  # -1: take len(output_token_ids)
+
+    def __post_init__(self) -> None:
+        if self.num_output_tokens < 0:
+            self.num_output_tokens = len(self.output_token_ids)

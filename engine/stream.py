@@ -35,15 +35,16 @@ class RequestStream:
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             new_token_ids=new,
-            output_token_ids=list(req.output_token_ids),
+            output_token_ids=list(req.output_token_ids) if finished else [],
             text_delta=delta,
-            text=self.text[: self.sent],
+            text=self.text[: self.sent] if finished else "",
             finished=finished,
             finish_reason=reason,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             logprobs=lps,
             metrics=req.metrics,
             stop_reason=stop_reason,
+            num_output_tokens=len(req.output_token_ids),
         )
 
     def on_token(self, req: Request, token: int, lp: TokenLogprob | None, max_model_len: int) -> RequestOutput:

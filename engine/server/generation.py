@@ -195,7 +195,7 @@ class Serving:
 
     @staticmethod
     def _absorb(st: ChoiceState, out: RequestOutput) -> None:
-        st.num_tokens = len(out.output_token_ids)
+        st.num_tokens = out.num_output_tokens
         st.num_cached = out.num_cached_tokens
         if out.finished:
             st.finish_reason = out.finish_reason

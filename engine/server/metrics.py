@@ -108,7 +108,7 @@ class ServerMetrics:
         end = m.finished_time or m.last_token_time
         if end is not None:
             self._e2e.observe(max(0.0, end - m.arrival_time))
-        n = len(out.output_token_ids)
+        n = out.num_output_tokens
         if n > 1 and m.first_token_time is not None and m.last_token_time is not None:
             self._tpot.observe(max(0.0, (m.last_token_time - m.first_token_time) / (n - 1)))
 
