@@ -1,11 +1,16 @@
-"""Native CPU paged decode attention, compiled on first use with the system C compiler.
+"""Native CPU kernels, compiled on first use with the system C compiler.
 
-The torch reference has to gather every sequence's K/V into a padded copy before
-SDPA can read it; at decode time that copy costs more than the attention itself.
-The C kernel (csrc/cpu_decode_attention.c) reads K/V rows straight out of the
-paged cache. It is built once per source version and CPU into the kvmesh cache
-directory; without a C compiler, or for dtypes it does not cover, callers fall
-back to `paged_decode_attention_ref`.
+- Paged decode attention (csrc/cpu_decode_attention.c): the torch reference has to
+  gather every sequence's K/V into a padded copy before SDPA can read it; at decode
+  time that copy costs more than the attention itself. The C kernel reads K/V rows
+  straight out of the paged cache.
+- Fused bf16 elementwise kernels (csrc/cpu_elementwise.c): residual add + RMSNorm,
+  RoPE with the KV write, SiLU * up. Each replaces several torch ops and their
+  temporaries per layer and rounds where the torch reference rounds.
+
+The library is built once per source version and CPU into the kvmesh cache
+directory. Every wrapper has the contract of its torch reference and falls back to
+it without a C compiler, or for dtypes and layouts the C code does not cover.
 """
 
 from __future__ import annotations
@@ -23,15 +28,36 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.engine.kernels.activation import silu_mul_ref
 from kvmesh.engine.kernels.decode_attention import paged_decode_attention_ref
+from kvmesh.engine.kernels.extend_attention import paged_extend_attention_ref
+from kvmesh.engine.kernels.rmsnorm import _check_inputs as _check_rms_inputs
+from kvmesh.engine.kernels.rmsnorm import rms_norm_ref
+from kvmesh.engine.kernels.rope import _check_rope_inputs, rope_write_kv_ref
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_decode_attention.c"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = ("cpu_decode_attention.c", "cpu_extend_attention.c", "cpu_elementwise.c")
+_HEADERS = ("kvmesh_cpu.h",)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+
+
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_DECODE_ARGS = [_P] * 4 + [_I64, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I]
+_SIGNATURES = {
+    "kvmesh_decode_attention_f32": _DECODE_ARGS,
+    "kvmesh_decode_attention_bf16": _DECODE_ARGS,
+    "kvmesh_rms_norm_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I, _F, _I],
+    "kvmesh_rope_write_kv_bf16": [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I,
+                                  _P, _P, _I64, _I, _I, _I, _I],
+    "kvmesh_silu_mul_bf16": [_P, _I64, _P, _I64, _I, _I],
+    "kvmesh_extend_attention_bf16": [_P] * 4 + [_I64, _I, _P, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I],
+}
+_RETURNS = {"kvmesh_extend_attention_bf16": ctypes.c_int}
 
 
 def _cache_dir() -> Path:
@@ -54,10 +80,10 @@ def _build(cc: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(out), "-lm"],
+        proc = subprocess.run([cc, *_FLAGS, *(str(_CSRC / f) for f in _SOURCES), "-o", str(out), "-lm"],
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed to build the CPU decode kernel:\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"{cc} failed to build the native CPU kernels:\n{proc.stderr[-2000:]}")
         os.replace(out, target)  # atomic: concurrent builders never load a partial file
 
 
@@ -72,23 +98,23 @@ def load_library() -> ctypes.CDLL | None:
             return None
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if cc is None:
-            log.warning("no C compiler found; CPU decode attention uses the slower torch path")
+            log.warning("no C compiler found; the CPU engine uses the slower torch kernels")
             return None
-        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()
-                             + _cpu_fingerprint().encode()).hexdigest()[:16]
-        target = _cache_dir() / f"cpu_decode_attention-{key}.so"
+        digest = hashlib.sha256(" ".join(_FLAGS).encode() + _cpu_fingerprint().encode())
+        for name in _SOURCES + _HEADERS:
+            digest.update((_CSRC / name).read_bytes())
+        target = _cache_dir() / f"kvmesh_cpu-{digest.hexdigest()[:16]}.so"
         try:
             if not target.exists():
                 _build(cc, target)
             lib = ctypes.CDLL(str(target))
         except (OSError, RuntimeError) as e:
-            log.warning("CPU decode kernel unavailable (%s); using the torch path", e)
+            log.warning("native CPU kernels unavailable (%s); using the torch kernels", e)
             return None
-        for name in ("kvmesh_decode_attention_f32", "kvmesh_decode_attention_bf16"):
+        for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] \
-                + [ctypes.c_int] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int]
+            fn.restype = _RETURNS.get(name)
+            fn.argtypes = argtypes
         _lib = lib
         return lib
 
@@ -131,4 +157,122 @@ def paged_decode_attention_cpu(
     sb, ss, sh, _ = k_cache.stride()
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.stride(0), sl.data_ptr(),
        out.data_ptr(), b, hq, hkv, d, k_cache.shape[1], sb, ss, sh, float(scale), torch.get_num_threads())
+    return out
+
+
+def paged_extend_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Same contract as `extend_attention.paged_extend_attention_ref`; native for bf16."""
+    lib = load_library()
+    ok = (
+        lib is not None and q.dim() == 3 and k_cache.dim() == 4
+        and all(a.device.type == "cpu" and a.dtype == torch.bfloat16 for a in (q, k_cache, v_cache))
+        and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+        and q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
+        and block_tables.dtype == torch.int32 and block_tables.dim() == 2
+        and query_start_loc.dtype == torch.int32 and seq_lens.dtype == torch.int32
+        and seq_lens.dim() == 1 and query_start_loc.shape == (seq_lens.shape[0] + 1,)
+        and block_tables.shape[0] == seq_lens.shape[0]
+    )
+    if ok:
+        q = q.contiguous()
+        bt = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+        qsl, sl = query_start_loc.contiguous(), seq_lens.contiguous()
+        out = torch.empty_like(q)
+        t, hq, d = q.shape
+        sb, ss, sh, _ = k_cache.stride()
+        rc = lib.kvmesh_extend_attention_bf16(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1],
+            qsl.data_ptr(), sl.data_ptr(), out.data_ptr(), sl.shape[0], hq, k_cache.shape[2], d,
+            k_cache.shape[1], sb, ss, sh, float(scale), torch.get_num_threads())
+        if rc == 0:
+            return out
+    return paged_extend_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                      max_query_len=max_query_len)
+
+
+def _bf16_rows(x: torch.Tensor) -> bool:
+    """A bf16 CPU matrix whose rows are contiguous (any row stride)."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1
+
+
+def rms_norm_cpu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same contract as `rmsnorm.rms_norm_ref`; native for bf16 [T, hidden] with a bf16 weight."""
+    _check_rms_inputs(x, weight, residual)
+    lib = load_library()
+    if (lib is None or not _bf16_rows(x) or weight.dtype != torch.bfloat16 or not weight.is_contiguous()
+            or weight.shape != (x.shape[1],)
+            or (residual is not None and (not _bf16_rows(residual) or residual.shape != x.shape))):
+        return rms_norm_ref(x, weight, eps, residual)
+    t, n = x.shape
+    out = torch.empty((t, n), dtype=torch.bfloat16)
+    h = torch.empty((t, n), dtype=torch.bfloat16) if residual is not None else None
+    lib.kvmesh_rms_norm_bf16(
+        x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+        residual.stride(0) if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
+        h.data_ptr() if h is not None else None, t, n, float(eps), torch.get_num_threads())
+    return out, h
+
+
+def rope_write_kv_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `rope.rope_write_kv_ref`; native for bf16 tensors whose heads are
+    contiguous rows (q, k, v may be column slices of one fused projection)."""
+    _check_rope_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    lib = load_library()
+    ok = (
+        lib is not None and q.dim() == 3 and k.dim() == 3 and v.shape == k.shape
+        and all(a.device.type == "cpu" and a.dtype == torch.bfloat16 for a in (q, k, v, k_cache, v_cache))
+        and all(a.stride(2) == 1 and a.stride(1) == a.shape[2] for a in (q, k, v))
+        and k_cache.stride() == v_cache.stride() and k_cache.dim() == 4 and k_cache.stride(3) == 1
+        and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[1] == q.shape[2]
+        and positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
+        and k.shape[1:] == k_cache.shape[2:]
+    )
+    if not ok:
+        return rope_write_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    q_rot = torch.empty((t, hq, d), dtype=torch.bfloat16)
+    k_rot = torch.empty((t, hkv, d), dtype=torch.bfloat16)
+    pos, slots = positions.contiguous(), slot_mapping.contiguous()
+    cb, cs, ch, _ = k_cache.stride()
+    lib.kvmesh_rope_write_kv_bf16(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), pos.data_ptr(),
+        cos_sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cb, cs, ch,
+        k_cache.shape[1], q_rot.data_ptr(), k_rot.data_ptr(), t, hq, hkv, d, torch.get_num_threads())
+    return q_rot, k_rot
+
+
+def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    """Same contract as `activation.silu_mul_ref`; native for bf16 [T, 2 * I]."""
+    lib = load_library()
+    if lib is None or not _bf16_rows(gate_up) or gate_up.shape[1] % 2:
+        return silu_mul_ref(gate_up)
+    t, i2 = gate_up.shape
+    out = torch.empty((t, i2 // 2), dtype=torch.bfloat16)
+    lib.kvmesh_silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, i2 // 2,
+                             torch.get_num_threads())
     return out

@@ -57,30 +57,37 @@ class AttentionBackend:
     """Chooses between the Triton kernels (CUDA) and their torch references (CPU).
 
     Both implement the same contract (engine/kernels/__init__.py); the engine
-    picks one at start-up and every layer uses it. On CPU, decode attention runs
-    the native C kernel when it can be built (`native_decode`), else the torch
-    reference. Host-side lengths from the metadata are passed down so no kernel
+    picks one at start-up and every layer uses it. On CPU, decode attention and the
+    bf16 elementwise ops run the native C kernels (`native_cpu`; each falls back to
+    its torch reference where it cannot be built or does not apply). Host-side lengths from the metadata are passed down so no kernel
     reads sequence lengths back from the device (which would also break CUDA
     graph capture).
     """
 
-    def __init__(self, name: str, native_decode: bool = True) -> None:
+    def __init__(self, name: str, native_cpu: bool = True) -> None:
         if name not in ("torch", "triton"):
             raise ValueError(f"unknown attention backend {name!r}")
         self.name = name
-        from kvmesh.engine.kernels import decode_attention, extend_attention, rmsnorm, rope
+        from kvmesh.engine.kernels import activation, decode_attention, extend_attention, rmsnorm, rope
 
+        self.silu_mul = activation.silu_mul_ref
         if name == "triton":
             self.rms_norm = rmsnorm.rms_norm_triton
             self.rope_write_kv = rope.rope_write_kv_triton
             self._decode = decode_attention.paged_decode_attention_triton
             self._extend = extend_attention.paged_extend_attention_triton
-        else:
-            from kvmesh.engine.kernels.cpu_native import paged_decode_attention_cpu
+        elif native_cpu:
+            from kvmesh.engine.kernels import cpu_native as nat
 
+            self.rms_norm = nat.rms_norm_cpu
+            self.rope_write_kv = nat.rope_write_kv_cpu
+            self.silu_mul = nat.silu_mul_cpu
+            self._decode = nat.paged_decode_attention_cpu
+            self._extend = nat.paged_extend_attention_cpu
+        else:
             self.rms_norm = rmsnorm.rms_norm_ref
             self.rope_write_kv = rope.rope_write_kv_ref
-            self._decode = paged_decode_attention_cpu if native_decode else decode_attention.paged_decode_attention_ref
+            self._decode = decode_attention.paged_decode_attention_ref
             self._extend = extend_attention.paged_extend_attention_ref
 
     def attention(

@@ -138,9 +138,7 @@ class LlamaModel:
             o = be.attention(q, k_cache, v_cache, meta, self.scale)
             h = lw.o(o.reshape(t, qd))
             x, residual = be.rms_norm(h, lw.post_norm, eps, residual)
-            gu = lw.gate_up(x)
-            g, u = gu.chunk(2, dim=-1)
-            h = lw.down(F.silu(g) * u)
+            h = lw.down(be.silu_mul(lw.gate_up(x)))
         out, _ = be.rms_norm(h, self.norm, eps, residual)
         return out
 

@@ -52,7 +52,10 @@ def test_children_are_created_with_owner_references(cluster, namespace, operator
         assert ctr.args[0] == ("cache-node" if component == "cache" else
                                "router" if component == "router" else "serve")
     assert deps["decode"].spec.replicas == 2
-    services = {s.metadata.name: s for s in cluster.core.list_namespaced_service(namespace).items}
+    # A pass applies each Deployment before its Service: wait for the last Service too.
+    services = wait_until("four Services", lambda: (svc := {
+        s.metadata.name: s for s in cluster.core.list_namespaced_service(namespace).items
+        if s.metadata.name.startswith(f"{NAME}-")}) and len(svc) == 4 and svc)
     for c in ("prefill", "decode", "cache"):
         assert services[f"{NAME}-{c}"].spec.cluster_ip == "None"
     assert services[f"{NAME}-router"].spec.cluster_ip not in (None, "None")

@@ -1,14 +1,22 @@
-"""The native CPU decode kernel against the fp64 naive oracle and the torch reference."""
+"""The native CPU kernels against the fp64 naive oracles and the torch references.
+
+The bf16 elementwise kernels round where torch rounds, so they are compared bit for bit
+(RMSNorm within one bf16 step: its fp32 mean may differ in the last place)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvmesh.engine.kernels import cpu_native as nat
+from kvmesh.engine.kernels.activation import silu_mul_ref
 from kvmesh.engine.kernels.cpu_native import native_available, paged_decode_attention_cpu
 from kvmesh.engine.kernels.decode_attention import paged_decode_attention_ref
+from kvmesh.engine.kernels.extend_attention import paged_extend_attention_ref
+from kvmesh.engine.kernels.rmsnorm import rms_norm_ref
+from kvmesh.engine.kernels.rope import build_cos_sin_cache, rope_write_kv_ref
 
-from ._helpers import PagedBatch, make_paged_batch, naive_decode
+from ._helpers import PagedBatch, make_paged_batch, naive_decode, naive_extend
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C compiler to build the native kernel")
 
@@ -44,3 +52,95 @@ def test_cache_views_and_fallback():
     # fp16 is not covered natively: the call falls back to the reference and still answers.
     got16 = paged_decode_attention_cpu(q.half(), k.half(), v.half(), bt, lens, 0.125)
     torch.testing.assert_close(got16.float(), want.float(), atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("num_seqs", [3, 20])  # few: one item per kv head; many: whole sequences
+def test_decode_bf16_work_splits(num_seqs):
+    g = torch.Generator().manual_seed(num_seqs)
+    lens = torch.randint(1, 300, (num_seqs,), generator=g).tolist()
+    batch = make_paged_batch(lens, 3, 64, 16, torch.bfloat16, g)
+    q = torch.randn(num_seqs, 9, 64, generator=g).bfloat16()
+    got = paged_decode_attention_cpu(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
+    torch.testing.assert_close(got.float(), naive_decode(q, batch, 0.125).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (8, 1, 128), (16, 2, 64), (4, 4, 64)])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_extend_bf16_matches_oracle(hq, hkv, head_dim, block_size):
+    g = torch.Generator().manual_seed(hq + head_dim + block_size)
+    # Plain prefills, chunks after a cached prefix, tiles cut at 16 and single tokens.
+    q_lens = [5, 17, 40, 1, 33, 16]
+    ctx = [5, 30, 100, 70, 33, 300]
+    batch = make_paged_batch(ctx, hkv, head_dim, block_size, torch.bfloat16, g)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), hq, head_dim, generator=g).bfloat16()
+    scale = head_dim ** -0.5
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, qsl, batch.seq_lens, scale)
+    got = nat.paged_extend_attention_cpu(*args)
+    torch.testing.assert_close(got.float(), naive_extend(q, batch, qsl, scale).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), paged_extend_attention_ref(*args).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_extend_bad_lengths_raise_like_the_reference():
+    g = torch.Generator().manual_seed(1)
+    batch = make_paged_batch([10], 1, 64, 16, torch.bfloat16, g)
+    q = torch.randn(12, 2, 64, generator=g).bfloat16()
+    qsl = torch.tensor([0, 12], dtype=torch.int32)  # 12 new tokens in a context of 10
+    with pytest.raises(ValueError, match="new tokens but a context of only"):
+        nat.paged_extend_attention_cpu(q, batch.k_cache, batch.v_cache, batch.block_tables, qsl,
+                                       batch.seq_lens, 0.125)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (37, 576), (300, 100)])
+def test_rms_norm_bf16_matches_reference(rows, hidden):
+    g = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, hidden, generator=g)).bfloat16()
+    res = torch.randn(rows, hidden, generator=g).bfloat16()
+    w = torch.randn(hidden, generator=g).bfloat16()
+    for r in (None, res):
+        got, h = nat.rms_norm_cpu(x, w, 1e-5, r)
+        want, h_want = rms_norm_ref(x, w, 1e-5, r)
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+        if r is None:
+            assert h is None
+        else:
+            assert torch.equal(h, h_want)
+    # A strided view (a column slice of a wider tensor) is read in place.
+    wide = torch.randn(rows, hidden + 8, generator=g).bfloat16()
+    torch.testing.assert_close(nat.rms_norm_cpu(wide[:, :hidden], w, 1e-6)[0].float(),
+                               rms_norm_ref(wide[:, :hidden], w, 1e-6)[0].float(), atol=0, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 48)])
+def test_rope_write_kv_bf16_is_bit_exact(block_size, hq, hkv, head_dim):
+    g = torch.Generator().manual_seed(block_size + hq)
+    t = 70
+    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, generator=g).bfloat16()
+    q = qkv[:, : hq * head_dim].view(t, hq, head_dim)
+    k = qkv[:, hq * head_dim:(hq + hkv) * head_dim].view(t, hkv, head_dim)
+    v = qkv[:, (hq + hkv) * head_dim:].view(t, hkv, head_dim)
+    cos_sin = build_cos_sin_cache(head_dim, 8192, 10000.0)
+    positions = torch.randint(0, 8192, (t,), generator=g)
+    num_blocks = 256 // block_size + 8
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    caches = [torch.zeros(num_blocks, block_size, hkv, head_dim, dtype=torch.bfloat16) for _ in range(4)]
+    got = nat.rope_write_kv_cpu(q, k, v, positions, cos_sin, caches[0], caches[1], slots)
+    want = rope_write_kv_ref(q, k, v, positions, cos_sin, caches[2], caches[3], slots)
+    for a, b in zip((*got, caches[0], caches[1]), (*want, caches[2], caches[3])):
+        assert torch.equal(a, b)
+
+
+def test_silu_mul_bf16_is_bit_exact():
+    g = torch.Generator().manual_seed(3)
+    gu = (4 * torch.randn(50, 2 * 1000, generator=g)).bfloat16()
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    assert torch.equal(nat.silu_mul_cpu(gu), silu_mul_ref(gu))
+
+
+def test_wrappers_fall_back_for_fp32():
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(4, 64, generator=g), torch.randn(64, generator=g)
+    assert torch.equal(nat.rms_norm_cpu(x, w, 1e-6)[0], rms_norm_ref(x, w, 1e-6)[0])
+    gu = torch.randn(4, 128, generator=g)
+    assert torch.equal(nat.silu_mul_cpu(gu), silu_mul_ref(gu))

@@ -12,143 +12,166 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "kvmesh_cpu.h"
 
 #define MAX_G 16
 #define MAX_D 256
+#define MAX_QH 32 /* query heads handled by one work item */
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define KVMESH_HAVE_AVX512_BF16 1
+#ifdef KVMESH_HAVE_AVX512_BF16
 
-/* exp(x) for x <= 0 (softmax arguments): 2^(x log2 e) with a degree-6 polynomial
- * on the reduced argument; relative error ~2e-7, exp(-inf) = 0. */
-static inline __m512 exp512(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.3f);
-    __m512 masked = _mm512_max_ps(x, lo);
-    __m512 t = _mm512_mul_ps(masked, _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n); /* f in [-0.5, 0.5]; 2^f by polynomial */
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    __m512 r = _mm512_scalef_ps(p, n);
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), r, _mm512_setzero_ps());
-}
-
-/* Sum each of 16 vectors: returns {sum(v[0]), ..., sum(v[15])}. */
-static inline __m512 hsum16(__m512 *v) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+/* bf16 path for one sequence and kv heads [h0, h1), in three passes over the context:
+ * scores = q.K (vdpbf16ps, 16 tokens reduced at once), softmax over the scores, then
+ * out = p.V with fp32 accumulators. Each pass is a stream of independent work rather
+ * than a chain of dependent reductions, so it runs at instruction throughput; decode
+ * attention is bound by memory, so the rows of the next chunk of 16 tokens are
+ * prefetched while this one is computed, and a token's heads [h0, h1) sit together.
+ * V rows are widened to fp32 without shuffles (even elements by a shift, odd ones by
+ * a mask), so the accumulators hold each 32-element group as 16 even then 16 odd
+ * elements until the final store interleaves them. Requires D % 32 == 0.
+ * scratch: room for (h1 - h0) * G * L floats and L int64 offsets. */
+static inline __attribute__((always_inline)) void
+decode_seq_avx512(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *bt, int L,
+                  int G, int D, int block_size, int64_t sb, int64_t ss, int64_t sh, int h0, int h1,
+                  float scale, uint16_t *out, float *scores, int64_t *offs) {
+    const int J = D / 32, H = h1 - h0, QH = H * G;
+    const int64_t row_lines = ((int64_t)H * sh * 2 + 63) / 64; /* cache lines of one token's heads */
+    for (int t = 0, blk = 0, slot = 0; t < L; t++) {
+        offs[t] = (int64_t)bt[blk] * sb + (int64_t)slot * ss + (int64_t)h0 * sh;
+        if (++slot == block_size) { slot = 0; blk++; }
     }
-    for (int i = 0; i < 2; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
+#define KVMESH_PREFETCH_CHUNK(base, t0)                                                        \
+    for (int t_ = (t0); t_ < (t0) + 16 && t_ < L; t_++)                                        \
+        for (int64_t c_ = 0; c_ < row_lines; c_++)                                             \
+            _mm_prefetch((const char *)((base) + offs[t_]) + 64 * c_, _MM_HINT_T1);
 
-static inline __m512 bf16x16_to_ps(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* bf16 path: K dot products with vdpbf16ps (no conversion), 16 tokens reduced at once,
- * vectorized exp, V accumulated in fp32. Requires D % 32 == 0. */
-static void decode_pair_avx512(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                               const int32_t *bt, int L, int G, int D, int block_size,
-                               int64_t sb, int64_t ss, int64_t sh, int h, float scale,
-                               uint16_t *out, float *scores) {
-    int J = D / 32;
-    __m512bh qv[MAX_G][MAX_D / 32];
-    for (int g = 0; g < G; g++)
-        for (int j = 0; j < J; j++)
-            qv[g][j] = (__m512bh)_mm512_loadu_si512((const void *)(q + (int64_t)g * D + 32 * j));
-    __m512 vmax[MAX_G];
-    for (int g = 0; g < G; g++) vmax[g] = _mm512_set1_ps(-INFINITY);
+    /* Pass 1: scores[r][t] = scale * q_r . k_t, and a running max per query head. */
+    __m512 vmax[MAX_QH];
+    for (int r = 0; r < QH; r++) vmax[r] = _mm512_set1_ps(-INFINITY);
     const __m512 vscale = _mm512_set1_ps(scale);
-    __m512 acc[MAX_G][16];
     for (int t0 = 0; t0 < L; t0 += 16) {
-        int n = L - t0 < 16 ? L - t0 : 16;
-        for (int i = 0; i < 16; i++) {
-            if (i < n) {
-                int t = t0 + i;
-                const uint16_t *kr = k + (int64_t)bt[t / block_size] * sb
-                                     + (int64_t)(t % block_size) * ss + (int64_t)h * sh;
-                for (int g = 0; g < G; g++) {
+        const int n = L - t0 < 16 ? L - t0 : 16;
+        const __mmask16 m = (__mmask16)((1u << n) - 1u);
+        KVMESH_PREFETCH_CHUNK(k, t0 + 16)
+        for (int hh = 0; hh < H; hh++)
+            for (int g = 0; g < G; g++) {
+                const int r = hh * G + g;
+                const uint16_t *qr = q + (int64_t)r * D;
+                __m512 dots[16];
+                for (int i = 0; i < 16; i++) {
                     __m512 a = _mm512_setzero_ps();
-                    for (int j = 0; j < J; j++)
-                        a = _mm512_dpbf16_ps(a, qv[g][j], (__m512bh)_mm512_loadu_si512((const void *)(kr + 32 * j)));
-                    acc[g][i] = a;
+                    if (i < n)
+                        for (int j = 0; j < J; j++)
+                            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(qr + 32 * j)),
+                                                 (__m512bh)_mm512_loadu_si512(
+                                                     (const void *)(k + offs[t0 + i] + hh * sh + 32 * j)));
+                    dots[i] = a;
                 }
-            } else {
-                for (int g = 0; g < G; g++) acc[g][i] = _mm512_setzero_ps();
+                __m512 sc = _mm512_mul_ps(kvmesh_hsum16(dots), vscale);
+                vmax[r] = _mm512_mask_max_ps(vmax[r], m, vmax[r], sc);
+                _mm512_mask_storeu_ps(scores + (int64_t)r * L + t0, m, sc);
             }
-        }
-        __mmask16 m = (__mmask16)((1u << n) - 1u);
-        for (int g = 0; g < G; g++) {
-            __m512 s = _mm512_mul_ps(hsum16(acc[g]), vscale);
-            vmax[g] = _mm512_mask_max_ps(vmax[g], m, vmax[g], s);
-            _mm512_mask_storeu_ps(scores + (int64_t)g * L + t0, m, s);
-        }
     }
-    float den[MAX_G];
-    for (int g = 0; g < G; g++) {
-        __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[g]));
-        __m512 vs = _mm512_setzero_ps();
-        float *sg = scores + (int64_t)g * L;
+    /* Pass 2: scores -> exp(score - max), and the denominators. */
+    float inv[MAX_QH];
+    for (int r = 0; r < QH; r++) {
+        __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[r]));
+        __m512 sum = _mm512_setzero_ps();
+        float *sr = scores + (int64_t)r * L;
         for (int t0 = 0; t0 < L; t0 += 16) {
-            int n = L - t0 < 16 ? L - t0 : 16;
-            __mmask16 m = (__mmask16)((1u << n) - 1u);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + t0), vm));
-            e = _mm512_maskz_mov_ps(m, e);
-            vs = _mm512_add_ps(vs, e);
-            _mm512_mask_storeu_ps(sg + t0, m, e);
+            const int n = L - t0 < 16 ? L - t0 : 16;
+            const __mmask16 m = (__mmask16)((1u << n) - 1u);
+            __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sr + t0), mx)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_mask_storeu_ps(sr + t0, m, e);
         }
-        den[g] = _mm512_reduce_add_ps(vs);
+        float den = _mm512_reduce_add_ps(sum);
+        inv[r] = den > 0.f ? 1.f / den : 0.f;
     }
-    int V16 = D / 16;
-    __m512 o[MAX_G][MAX_D / 16];
-    for (int g = 0; g < G; g++)
-        for (int j = 0; j < V16; j++) o[g][j] = _mm512_setzero_ps();
-    for (int t = 0; t < L; t++) {
-        const uint16_t *vr = v + (int64_t)bt[t / block_size] * sb + (int64_t)(t % block_size) * ss
-                             + (int64_t)h * sh;
-        __m512 vf[MAX_D / 16];
-        for (int j = 0; j < V16; j++) vf[j] = bf16x16_to_ps(vr + 16 * j);
-        for (int g = 0; g < G; g++) {
-            __m512 w = _mm512_set1_ps(scores[(int64_t)g * L + t]);
-            for (int j = 0; j < V16; j++) o[g][j] = _mm512_fmadd_ps(w, vf[j], o[g][j]);
+    /* Pass 3: out_r = sum_t p_r[t] v_t. */
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 acc[MAX_QH][MAX_D / 16]; /* per 32-element group: [even, odd] */
+    for (int r = 0; r < QH; r++)
+        for (int j = 0; j < 2 * J; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int t0 = 0; t0 < L; t0 += 16) {
+        const int n = L - t0 < 16 ? L - t0 : 16;
+        KVMESH_PREFETCH_CHUNK(v, t0 + 16)
+        for (int hh = 0; hh < H; hh++) {
+            __m512 o[MAX_G][MAX_D / 16];
+            for (int g = 0; g < G; g++)
+                for (int j = 0; j < 2 * J; j++) o[g][j] = acc[hh * G + g][j];
+            for (int i = 0; i < n; i++) {
+                __m512 ve[MAX_D / 32], vo[MAX_D / 32];
+                for (int j = 0; j < J; j++) {
+                    __m512i x = _mm512_loadu_si512((const void *)(v + offs[t0 + i] + hh * sh + 32 * j));
+                    ve[j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+                    vo[j] = _mm512_castsi512_ps(_mm512_and_si512(x, hi_mask));
+                }
+                for (int g = 0; g < G; g++) {
+                    __m512 w = _mm512_set1_ps(scores[(int64_t)(hh * G + g) * L + t0 + i]);
+                    for (int j = 0; j < J; j++) {
+                        o[g][2 * j] = _mm512_fmadd_ps(w, ve[j], o[g][2 * j]);
+                        o[g][2 * j + 1] = _mm512_fmadd_ps(w, vo[j], o[g][2 * j + 1]);
+                    }
+                }
+            }
+            for (int g = 0; g < G; g++)
+                for (int j = 0; j < 2 * J; j++) acc[hh * G + g][j] = o[g][j];
         }
     }
-    for (int g = 0; g < G; g++) {
-        float inv = den[g] > 0.f ? 1.f / den[g] : 0.f;
-        float tmp[MAX_D];
-        for (int j = 0; j < V16; j++) _mm512_storeu_ps(tmp + 16 * j, _mm512_mul_ps(o[g][j], _mm512_set1_ps(inv)));
-        for (int d = 0; d < D; d++) out[(int64_t)g * D + d] = f32_to_bf16(tmp[d]);
+#undef KVMESH_PREFETCH_CHUNK
+    const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int r = 0; r < QH; r++) {
+        __m512 w = _mm512_set1_ps(inv[r]);
+        for (int j = 0; j < J; j++) {
+            __m512 e = _mm512_mul_ps(acc[r][2 * j], w), od = _mm512_mul_ps(acc[r][2 * j + 1], w);
+            /* Interleave back to natural order, round to nearest even (vcvtneps2bf16). */
+            __m256bh lo = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(e, lo_idx, od));
+            __m256bh hi = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(e, hi_idx, od));
+            _mm256_storeu_si256((__m256i *)(out + (int64_t)r * D + 32 * j), (__m256i)lo);
+            _mm256_storeu_si256((__m256i *)(out + (int64_t)r * D + 32 * j + 16), (__m256i)hi);
+        }
     }
+}
+
+/* The common (D, G) shapes get copies with constant loop bounds, so gcc keeps the
+ * accumulators in registers instead of indexing stack arrays. */
+#define DECODE_SPECIALIZED(DC, GC)                                                               \
+    static void decode_seq_d##DC##_g##GC(const uint16_t *q, const uint16_t *k, const uint16_t *v, \
+                                         const int32_t *bt, int L, int bsz, int64_t sb, int64_t ss, \
+                                         int64_t sh, int h0, int h1, float scale, uint16_t *out, \
+                                         float *sc, int64_t *of) { \
+        decode_seq_avx512(q, k, v, bt, L, GC, DC, bsz, sb, ss, sh, h0, h1, scale, out, sc, of);          \
+    }
+#define DECODE_FOR_D(DC) DECODE_SPECIALIZED(DC, 1) DECODE_SPECIALIZED(DC, 2) DECODE_SPECIALIZED(DC, 3) \
+    DECODE_SPECIALIZED(DC, 4) DECODE_SPECIALIZED(DC, 5) DECODE_SPECIALIZED(DC, 6) DECODE_SPECIALIZED(DC, 7) \
+    DECODE_SPECIALIZED(DC, 8)
+DECODE_FOR_D(64)
+DECODE_FOR_D(128)
+
+static void decode_seq_generic(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *bt,
+                               int L, int G, int D, int bsz, int64_t sb, int64_t ss, int64_t sh, int h0,
+                               int h1, float scale, uint16_t *out, float *sc, int64_t *of) {
+    decode_seq_avx512(q, k, v, bt, L, G, D, bsz, sb, ss, sh, h0, h1, scale, out, sc, of);
+}
+
+typedef void (*decode_seq_fn)(const uint16_t *, const uint16_t *, const uint16_t *, const int32_t *, int,
+                              int, int64_t, int64_t, int64_t, int, int, float, uint16_t *, float *,
+                              int64_t *);
+#define DECODE_TABLE(DC) {decode_seq_d##DC##_g1, decode_seq_d##DC##_g2, decode_seq_d##DC##_g3, \
+    decode_seq_d##DC##_g4, decode_seq_d##DC##_g5, decode_seq_d##DC##_g6, decode_seq_d##DC##_g7, decode_seq_d##DC##_g8}
+static const decode_seq_fn decode_d64[8] = DECODE_TABLE(64);
+static const decode_seq_fn decode_d128[8] = DECODE_TABLE(128);
+
+static void decode_seq_dispatch(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *bt,
+                                int L, int G, int D, int bsz, int64_t sb, int64_t ss, int64_t sh, int h0,
+                                int h1, float scale, uint16_t *out, float *sc, int64_t *of) {
+    const decode_seq_fn *table = D == 64 ? decode_d64 : D == 128 ? decode_d128 : NULL;
+    if (table != NULL && G >= 1 && G <= 8)
+        table[G - 1](q, k, v, bt, L, bsz, sb, ss, sh, h0, h1, scale, out, sc, of);
+    else
+        decode_seq_generic(q, k, v, bt, L, G, D, bsz, sb, ss, sh, h0, h1, scale, out, sc, of);
 }
 #endif
 
@@ -229,23 +252,35 @@ void kvmesh_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const ui
                                   int D, int block_size, int64_t sb, int64_t ss, int64_t sh,
                                   float scale, int num_threads) {
 #ifdef KVMESH_HAVE_AVX512_BF16
-    if (D % 32 == 0) {
-        int64_t pairs = (int64_t)B * Hkv;
+    if (D % 32 == 0 && D <= MAX_D) {
         int G = Hq / Hkv;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-        for (int64_t p = 0; p < pairs; p++) {
-            int b = (int)(p / Hkv), h = (int)(p % Hkv);
-            int L = seq_lens[b];
-            float *scores = (float *)malloc(sizeof(float) * (size_t)G * (size_t)(L > 0 ? L : 1));
-            decode_pair_avx512(q + ((int64_t)b * Hq + (int64_t)h * G) * D, k, v,
-                               block_tables + (int64_t)b * bt_stride, L, G, D, block_size, sb, ss, sh,
-                               h, scale, out + ((int64_t)b * Hq + (int64_t)h * G) * D, scores);
-            free(scores);
+        /* Whole sequences per work item when there are enough of them to balance the threads
+         * (contiguous reads); otherwise one item per (sequence, kv head). */
+        int heads_per_item = (B >= 4 * num_threads && Hq <= MAX_QH) ? Hkv : 1;
+        int items_per_seq = Hkv / heads_per_item;
+        int64_t items = (int64_t)B * items_per_seq;
+        int max_len = 1;
+        for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+#pragma omp parallel num_threads(num_threads)
+        {
+            /* Per-thread scratch, reused across items: scores and row offsets. */
+            float *sc = (float *)malloc(sizeof(float) * (size_t)heads_per_item * G * max_len);
+            int64_t *of = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_len);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < items; it++) {
+                int b = (int)(it / items_per_seq), h0 = (int)(it % items_per_seq) * heads_per_item;
+                decode_seq_dispatch(q + ((int64_t)b * Hq + (int64_t)h0 * G) * D, k, v,
+                                    block_tables + (int64_t)b * bt_stride, seq_lens[b], G, D, block_size,
+                                    sb, ss, sh, h0, h0 + heads_per_item, scale,
+                                    out + ((int64_t)b * Hq + (int64_t)h0 * G) * D, sc, of);
+            }
+            free(sc);
+            free(of);
         }
         return;
     }
 #endif
-    DECODE_BODY(uint16_t, bf16_to_f32, f32_to_bf16)
+    DECODE_BODY(uint16_t, bf2f, f2bf)
 }
 
 int kvmesh_has_avx512_bf16(void) {

@@ -1,0 +1,150 @@
+/* Fused bf16 elementwise kernels for the CPU engine: residual add + RMSNorm, RoPE
+ * with the KV-cache write, and SiLU(gate) * up.
+ *
+ * Each one replaces a handful of torch ops (and their temporaries) per layer. They
+ * round to bf16 exactly where the torch references do (every torch bf16 op computes
+ * in fp32 and rounds its result to nearest even), so outputs match the references
+ * bit for bit except where an fp32 reduction order (RMSNorm's mean) or exp differs
+ * in the last place before a rounding. Rows are independent: large batches are
+ * split over threads, small ones (decode) run on the calling thread.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kvmesh_cpu.h"
+
+#define PARALLEL_MIN_ELEMS (1 << 16) /* below this, thread wake-up costs more than it saves */
+
+/* out = weight * bf16(h * rsqrt(mean(h^2) + eps)) with h = bf16(x + res) (or x without res);
+ * h is stored to h_out when res is given. Rows of N elements; strides in elements. */
+void kvmesh_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *res, int64_t res_stride,
+                          const uint16_t *weight, uint16_t *out, uint16_t *h_out, int64_t T, int N,
+                          float eps, int num_threads) {
+    int nt = (int64_t)T * N >= PARALLEL_MIN_ELEMS ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *xr = x + t * x_stride;
+        const uint16_t *rr = res ? res + t * res_stride : NULL;
+        uint16_t *hr = res ? h_out + t * N : NULL, *yr = out + t * N;
+        const uint16_t *hsrc = res ? hr : xr;
+        float ss;
+#ifdef KVMESH_HAVE_AVX512_BF16
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < N; i += 16) {
+            __mmask16 m = mask16(N - i);
+            __m512 h = load16(xr + i, m);
+            if (rr) {
+                h = round16(_mm512_add_ps(h, load16(rr + i, m)));
+                store16(hr + i, h, m);
+            }
+            acc = _mm512_fmadd_ps(h, h, acc);
+        }
+        ss = _mm512_reduce_add_ps(acc);
+#else
+        ss = 0.f;
+        for (int i = 0; i < N; i++) {
+            float h = bf2f(xr[i]);
+            if (rr) {
+                h = round_bf(h + bf2f(rr[i]));
+                hr[i] = f2bf(h);
+            }
+            ss += h * h;
+        }
+#endif
+        float rs = 1.0f / sqrtf(ss / (float)N + eps);
+#ifdef KVMESH_HAVE_AVX512_BF16
+        __m512 vrs = _mm512_set1_ps(rs);
+        for (int i = 0; i < N; i += 16) {
+            __mmask16 m = mask16(N - i);
+            __m512 y = round16(_mm512_mul_ps(load16(hsrc + i, m), vrs));
+            store16(yr + i, _mm512_mul_ps(load16(weight + i, m), y), m);
+        }
+#else
+        for (int i = 0; i < N; i++) yr[i] = f2bf(bf2f(weight[i]) * round_bf(bf2f(hsrc[i]) * rs));
+#endif
+    }
+}
+
+/* NeoX rotation of q and k at their positions (HF: x * cos + rotate_half(x) * sin with
+ * cos/sin in bf16 and every product and sum rounded), rotated k and v written to the
+ * paged cache at slot_mapping (slot = block * block_size + offset), q_rot and k_rot to
+ * dense outputs [T, H, D]. cos_sin is the fp32 [positions, D] table: cos | sin. */
+void kvmesh_rope_write_kv_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                               const uint16_t *v, int64_t v_stride, const int64_t *positions,
+                               const float *cos_sin, const int64_t *slots, uint16_t *k_cache,
+                               uint16_t *v_cache, int64_t cb, int64_t cs, int64_t ch, int block_size,
+                               uint16_t *q_out, uint16_t *k_out, int64_t T, int Hq, int Hkv, int D,
+                               int num_threads) {
+    const int half = D / 2;
+    int nt = (int64_t)T * (Hq + 2 * Hkv) * D >= PARALLEL_MIN_ELEMS ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const float *cs_row = cos_sin + positions[t] * D;
+        const int64_t slot = slots[t];
+        const int64_t base = (slot / block_size) * cb + (slot % block_size) * cs;
+        for (int h = 0; h < Hq + Hkv; h++) {
+            const int is_q = h < Hq;
+            const uint16_t *src = is_q ? q + t * q_stride + (int64_t)h * D : k + t * k_stride + (int64_t)(h - Hq) * D;
+            uint16_t *dst = is_q ? q_out + (t * Hq + h) * D : k_out + (t * Hkv + (h - Hq)) * D;
+#ifdef KVMESH_HAVE_AVX512_BF16
+            for (int i = 0; i < half; i += 16) {
+                __mmask16 m = mask16(half - i);
+                __m512 c = round16(_mm512_maskz_loadu_ps(m, cs_row + i));
+                __m512 s = round16(_mm512_maskz_loadu_ps(m, cs_row + half + i));
+                __m512 x1 = load16(src + i, m), x2 = load16(src + half + i, m);
+                /* first half: x1*cos + (-x2)*sin; second half: x2*cos + x1*sin */
+                __m512 a = _mm512_add_ps(round16(_mm512_mul_ps(x1, c)),
+                                         round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), s)));
+                __m512 b = _mm512_add_ps(round16(_mm512_mul_ps(x2, c)), round16(_mm512_mul_ps(x1, s)));
+                store16(dst + i, a, m);
+                store16(dst + half + i, b, m);
+            }
+#else
+            for (int i = 0; i < half; i++) {
+                float c = round_bf(cs_row[i]), s = round_bf(cs_row[half + i]);
+                float x1 = bf2f(src[i]), x2 = bf2f(src[half + i]);
+                dst[i] = f2bf(round_bf(x1 * c) + round_bf(-x2 * s));
+                dst[half + i] = f2bf(round_bf(x2 * c) + round_bf(x1 * s));
+            }
+#endif
+            if (!is_q) memcpy(k_cache + base + (int64_t)(h - Hq) * ch, dst, (size_t)D * 2);
+        }
+        for (int h = 0; h < Hkv; h++)
+            memcpy(v_cache + base + (int64_t)h * ch, v + t * v_stride + (int64_t)h * D, (size_t)D * 2);
+    }
+}
+
+/* out[t, i] = bf16(bf16(silu(gu[t, i])) * gu[t, I + i]): the gate and up halves of one
+ * fused projection, as F.silu(g) * u computes them in bf16. */
+void kvmesh_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, uint16_t *out, int64_t T, int I,
+                          int num_threads) {
+    int nt = (int64_t)T * I >= PARALLEL_MIN_ELEMS ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = gu + t * gu_stride, *u = g + I;
+        uint16_t *o = out + t * I;
+#ifdef KVMESH_HAVE_AVX512_BF16
+        for (int i = 0; i < I; i += 16) {
+            __mmask16 m = mask16(I - i);
+            __m512 x = load16(g + i, m);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            __m512 s = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+            store16(o + i, _mm512_mul_ps(s, load16(u + i, m)), m);
+        }
+#else
+        for (int i = 0; i < I; i++) {
+            float x = bf2f(g[i]);
+            o[i] = f2bf(round_bf(x / (1.f + expf(-x))) * bf2f(u[i]));
+        }
+#endif
+    }
+}
+
+int kvmesh_elementwise_vectorized(void) {
+#ifdef KVMESH_HAVE_AVX512_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,85 @@
+/* Helpers shared by the native CPU kernels: bf16 <-> fp32 conversion with torch's
+ * rounding (to nearest even, NaN preserved) and, where the compiler targets
+ * AVX512-BF16, 16-lane versions of the same plus a vectorized exp. */
+#ifndef KVMESH_CPU_H
+#define KVMESH_CPU_H
+
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf2f(uint16_t x) {
+    uint32_t u = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Round an fp32 value to bf16 and back: the value a torch bf16 op would hold. */
+static inline float round_bf(float f) { return bf2f(f2bf(f)); }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KVMESH_HAVE_AVX512_BF16 1
+
+/* Lanes [0, n) of 16, n <= 16. */
+static inline __mmask16 mask16(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
+
+static inline __m512 load16(const uint16_t *p, __mmask16 m) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store16(uint16_t *p, __m512 x, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+/* bf16-rounded value of x, kept in fp32 lanes. */
+static inline __m512 round16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+/* exp(x): 2^(x log2 e) with a degree-6 polynomial on the reduced argument (relative
+ * error ~2e-7); 0 below -87.3 (so exp(-inf) = 0), +inf above ~88.7 as expf. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    __m512 c = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(100.f));
+    __m512 t = _mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n); /* f in [-0.5, 0.5]; 2^f by polynomial */
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 r = _mm512_scalef_ps(p, n);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), r, _mm512_setzero_ps());
+}
+/* Sum each of 16 vectors: returns {sum(v[0]), ..., sum(v[15])}. */
+static inline __m512 kvmesh_hsum16(__m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+#endif
+
+#endif
