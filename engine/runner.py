@@ -87,17 +87,20 @@ class ModelRunner:
         Returns tokens in the order of [s for s in out.seqs if s.produces_token].
         """
         ids, meta = self.prepare(out, block_ids)
-        g = self.graphs
-        if g is not None and out.num_decodes == len(out.seqs) and g.padded_size(len(out.seqs)):
-            hidden = g.run(ids, meta)
-        else:
-            hidden = self.model.forward(ids, meta, self.kv_cache)
         producing = [i for i, s in enumerate(out.seqs) if s.produces_token]
-        if not producing:
-            return None
+        # Rows that produce a token: the last of each such sequence's chunk.
         last = meta.query_start_loc[1:].to(torch.int64) - 1
         if len(producing) < len(out.seqs):
-            last = last[torch.tensor(producing, device=last.device)]
-        logits = self.model.compute_logits(hidden[last])
+            last = last[torch.tensor(producing, dtype=torch.int64, device=last.device)]
+        g = self.graphs
+        if g is not None and out.num_decodes == len(out.seqs) and g.padded_size(len(out.seqs)):
+            hidden = g.run(ids, meta)[last]
+        elif len(producing) == ids.shape[0]:  # decode-only step: every row is kept, in order
+            hidden = self.model.forward(ids, meta, self.kv_cache)
+        else:
+            hidden = self.model.forward(ids, meta, self.kv_cache, keep=last)
+        if not producing:
+            return None
+        logits = self.model.compute_logits(hidden)
         reqs = [out.seqs[i].request for i in producing]
         return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.engine.kernels.cpu_native import argmax_rows
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampling import SamplingParams
 
@@ -53,12 +54,18 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> SampleResult:
-    """logits: fp32 [N, vocab], one row per request in `params` order."""
+    """logits: [N, vocab] in the model's dtype, one row per request in `params` order.
+
+    Greedy picks need no upcast (bf16 -> fp32 is exact, so the argmax is the same);
+    probabilities and logprobs are computed in fp32.
+    """
     n = logits.shape[0]
     greedy = [p.greedy for p in params]
     if all(greedy):
-        tokens = logits.argmax(dim=-1)
-    else:
+        tokens = argmax_rows(logits)
+    if not all(greedy) or any(p.logprobs is not None for p in params):
+        logits = logits.float()
+    if not all(greedy):
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
                              device=logits.device, dtype=logits.dtype).unsqueeze(1)
         filtered = _apply_filters(logits / temps, params)
@@ -70,10 +77,10 @@ def sample(
             noise.exponential_()
         for i in seeded:
             noise[i].exponential_(generator=generators[i])
-        tokens = (probs / noise).argmax(dim=-1)
+        tokens = argmax_rows(probs / noise)
         if any(greedy):
             g = torch.tensor(greedy, device=logits.device)
-            tokens = torch.where(g, logits.argmax(dim=-1), tokens)
+            tokens = torch.where(g, argmax_rows(logits), tokens)
     token_list = tokens.tolist()
     want = [p.logprobs for p in params]
     lps: list[TokenLogprob | None] = [None] * n

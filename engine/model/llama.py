@@ -108,10 +108,14 @@ class LlamaModel:
         input_ids: torch.Tensor,
         meta: AttnMetadata,
         kv_cache: torch.Tensor,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids [T] -> final hidden states [T, hidden] (normed).
+        """input_ids [T] -> final hidden states [T, hidden] (normed), or [len(keep), hidden].
 
         kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+        keep: indices of the tokens whose hidden states are wanted (those that produce
+        logits). Every token's K/V is still written in every layer, but after the last
+        layer's attention only these rows go through its output projection and MLP.
         """
         c, be = self.config, self.backend
         t = input_ids.shape[0]
@@ -135,13 +139,15 @@ class LlamaModel:
                 k, _ = be.rms_norm(k, lw.k_norm, eps)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             q, _ = be.rope_write_kv(q, k, v, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping)
-            o = be.attention(q, k_cache, v_cache, meta, self.scale)
-            h = lw.o(o.reshape(t, qd))
+            o = be.attention(q, k_cache, v_cache, meta, self.scale).reshape(t, qd)
+            if keep is not None and i == len(self.layers) - 1:
+                o, residual = o[keep], residual[keep]
+            h = lw.o(o)
             x, residual = be.rms_norm(h, lw.post_norm, eps, residual)
             h = lw.down(be.silu_mul(lw.gate_up(x)))
         out, _ = be.rms_norm(h, self.norm, eps, residual)
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> fp32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        """hidden [N, hidden] -> logits [N, vocab] in the model dtype (the sampler upcasts)."""
+        return self.lm_head(hidden)

@@ -144,3 +144,19 @@ def test_wrappers_fall_back_for_fp32():
     assert torch.equal(nat.rms_norm_cpu(x, w, 1e-6)[0], rms_norm_ref(x, w, 1e-6)[0])
     gu = torch.randn(4, 128, generator=g)
     assert torch.equal(nat.silu_mul_cpu(gu), silu_mul_ref(gu))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cols", [5, 16, 49152 + 7])
+def test_argmax_rows_matches_torch(dtype, cols):
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(9, cols, generator=g).to(dtype)
+    x[1] = 0.0                                  # all tied: the first index wins
+    x[2] = float("-inf")
+    x[3, cols // 2] = float("nan")              # NaN counts as the maximum
+    x[4, -1] = 1e4                              # maximum in the scalar tail
+    x[5, 0] = x[5, -1] = 1e4                    # tie between the first and the last column
+    x[6, cols // 3] = float("nan")
+    x[6, -1] = float("nan")                     # first NaN wins
+    assert torch.equal(nat.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(nat.argmax_rows(x[:, : cols - 1]), x[:, : cols - 1].argmax(dim=-1))  # strided rows

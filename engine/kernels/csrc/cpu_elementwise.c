@@ -14,7 +14,7 @@
 
 #include "kvmesh_cpu.h"
 
-#define PARALLEL_MIN_ELEMS (1 << 16) /* below this, thread wake-up costs more than it saves */
+#define PARALLEL_MIN_ELEMS (1 << 18) /* below this (decode batches), one thread is as fast */
 
 /* out = weight * bf16(h * rsqrt(mean(h^2) + eps)) with h = bf16(x + res) (or x without res);
  * h is stored to h_out when res is given. Rows of N elements; strides in elements. */
@@ -148,3 +148,61 @@ int kvmesh_elementwise_vectorized(void) {
     return 0;
 #endif
 }
+
+/* out[r] = index of the first maximum of row r (a NaN counts as the maximum, as in
+ * torch.argmax). Rows are split over threads when there are several. */
+#define KVMESH_ARGMAX(NAME, T, LOADV, TOF)                                                   \
+    void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out, int num_threads) { \
+        int nt = rows * cols >= PARALLEL_MIN_ELEMS ? num_threads : 1;                        \
+        _Pragma("omp parallel for schedule(static) num_threads(nt) if (nt > 1)")             \
+        for (int64_t r = 0; r < rows; r++) {                                                 \
+            const T *row = x + r * stride;                                                   \
+            float best = -INFINITY;                                                          \
+            int64_t c = 0, at = -1;                                                          \
+            ARGMAX_VECTOR_SCAN(LOADV)                                                        \
+            for (; c < cols; c++) {                                                          \
+                float f = TOF(row[c]);                                                       \
+                if (f != f) { at = c; break; }                                               \
+                if (f > best || at < 0) { best = f; at = c; }                                \
+            }                                                                                \
+            out[r] = at < 0 ? 0 : at;                                                        \
+        }                                                                                    \
+    }
+
+#ifdef KVMESH_HAVE_AVX512_BF16
+/* Whole vectors: find the row maximum (and any NaN) lane-wise, then the first lane
+ * that holds it; the scalar tail continues from there with the same rules. */
+#define ARGMAX_VECTOR_SCAN(LOADV)                                                            \
+    {                                                                                        \
+        int64_t full = cols / 16 * 16;                                                       \
+        if (full > 0) {                                                                      \
+            __m512 m = _mm512_set1_ps(-INFINITY);                                            \
+            __mmask16 nan = 0;                                                               \
+            for (int64_t i = 0; i < full && !nan; i += 16) {                                 \
+                __m512 v = LOADV(row + i);                                                   \
+                nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                \
+                m = _mm512_max_ps(m, v);                                                     \
+            }                                                                                \
+            if (nan) {                                                                       \
+                c = 0; /* the scalar loop below finds the first NaN */                       \
+            } else {                                                                         \
+                best = _mm512_reduce_max_ps(m);                                              \
+                __m512 vb = _mm512_set1_ps(best);                                            \
+                for (int64_t i = 0; i < full; i += 16) {                                     \
+                    __mmask16 eq = _mm512_cmp_ps_mask(LOADV(row + i), vb, _CMP_EQ_OQ);        \
+                    if (eq) { at = i + __builtin_ctz((unsigned)eq); break; }                 \
+                }                                                                            \
+                c = full;                                                                    \
+            }                                                                                \
+        }                                                                                    \
+    }
+#define LOADV_BF16(p) load16((p), 0xffff)
+#define LOADV_F32(p) _mm512_loadu_ps(p)
+#else
+#define ARGMAX_VECTOR_SCAN(LOADV)
+#endif
+
+static inline float f32_id(float x) { return x; }
+
+KVMESH_ARGMAX(kvmesh_argmax_bf16, uint16_t, LOADV_BF16, bf2f)
+KVMESH_ARGMAX(kvmesh_argmax_f32, float, LOADV_F32, f32_id)
