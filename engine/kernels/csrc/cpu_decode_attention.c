@@ -29,7 +29,7 @@
  * V rows are widened to fp32 without shuffles (even elements by a shift, odd ones by
  * a mask), so the accumulators hold each 32-element group as 16 even then 16 odd
  * elements until the final store interleaves them. Requires D % 32 == 0.
- * scratch: room for (h1 - h0) * G * L floats and L int64 offsets. */
+ * scratch: room for (h1 - h0) * G * L floats and L + 16 int64 offsets. */
 static inline __attribute__((always_inline)) void
 decode_seq_avx512(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *bt, int L,
                   int G, int D, int block_size, int64_t sb, int64_t ss, int64_t sh, int h0, int h1,
@@ -40,6 +40,9 @@ decode_seq_avx512(const uint16_t *q, const uint16_t *k, const uint16_t *v, const
         offs[t] = (int64_t)bt[blk] * sb + (int64_t)slot * ss + (int64_t)h0 * sh;
         if (++slot == block_size) { slot = 0; blk++; }
     }
+    /* A partial last chunk reads token 0 again in its spare lanes (masked out below), so
+     * the score loop has no bounds checks. */
+    for (int t = L; t < L + 16; t++) offs[t] = L > 0 ? offs[0] : 0;
 #define KVMESH_PREFETCH_CHUNK(base, t0)                                                        \
     for (int t_ = (t0); t_ < (t0) + 16 && t_ < L; t_++)                                        \
         for (int64_t c_ = 0; c_ < row_lines; c_++)                                             \
@@ -52,19 +55,24 @@ decode_seq_avx512(const uint16_t *q, const uint16_t *k, const uint16_t *v, const
     for (int t0 = 0; t0 < L; t0 += 16) {
         const int n = L - t0 < 16 ? L - t0 : 16;
         const __mmask16 m = (__mmask16)((1u << n) - 1u);
+        /* Both K and V of the next chunk: pass 3 then finds V in L2. */
         KVMESH_PREFETCH_CHUNK(k, t0 + 16)
+        KVMESH_PREFETCH_CHUNK(v, t0 + 16)
         for (int hh = 0; hh < H; hh++)
             for (int g = 0; g < G; g++) {
                 const int r = hh * G + g;
                 const uint16_t *qr = q + (int64_t)r * D;
+                __m512bh qv[MAX_D / 32];
+#pragma GCC unroll 8
+                for (int j = 0; j < J; j++) qv[j] = (__m512bh)_mm512_loadu_si512((const void *)(qr + 32 * j));
                 __m512 dots[16];
+#pragma GCC unroll 16
                 for (int i = 0; i < 16; i++) {
+                    const uint16_t *kr = k + offs[t0 + i] + hh * sh;
                     __m512 a = _mm512_setzero_ps();
-                    if (i < n)
-                        for (int j = 0; j < J; j++)
-                            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(qr + 32 * j)),
-                                                 (__m512bh)_mm512_loadu_si512(
-                                                     (const void *)(k + offs[t0 + i] + hh * sh + 32 * j)));
+#pragma GCC unroll 8
+                    for (int j = 0; j < J; j++)
+                        a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512((const void *)(kr + 32 * j)));
                     dots[i] = a;
                 }
                 __m512 sc = _mm512_mul_ps(kvmesh_hsum16(dots), vscale);
@@ -95,7 +103,6 @@ decode_seq_avx512(const uint16_t *q, const uint16_t *k, const uint16_t *v, const
         for (int j = 0; j < 2 * J; j++) acc[r][j] = _mm512_setzero_ps();
     for (int t0 = 0; t0 < L; t0 += 16) {
         const int n = L - t0 < 16 ? L - t0 : 16;
-        KVMESH_PREFETCH_CHUNK(v, t0 + 16)
         for (int hh = 0; hh < H; hh++) {
             __m512 o[MAX_G][MAX_D / 16];
             for (int g = 0; g < G; g++)
@@ -265,7 +272,7 @@ void kvmesh_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const ui
         {
             /* Per-thread scratch, reused across items: scores and row offsets. */
             float *sc = (float *)malloc(sizeof(float) * (size_t)heads_per_item * G * max_len);
-            int64_t *of = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_len);
+            int64_t *of = (int64_t *)malloc(sizeof(int64_t) * ((size_t)max_len + 16));
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < items; it++) {
                 int b = (int)(it / items_per_seq), h0 = (int)(it % items_per_seq) * heads_per_item;
