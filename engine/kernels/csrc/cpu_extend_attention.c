@@ -4,10 +4,11 @@
  * Sequence s has q_len new tokens at positions ctx - q_len .. ctx - 1 (their K/V
  * already written); query token p sees keys 0..p. Work items are (sequence, tile of
  * 16 query tokens, kv head), later tiles (more keys) first; the G query heads that
- * share a kv head are handled together so each chunk of 16 keys is read and widened
- * once. Online softmax (running max and denominator per token, rescaled as the max
- * grows), fp32 accumulation, output rounded to nearest even. Requires D % 32 == 0,
- * D <= 256 and G <= 16.
+ * share a kv head are handled together so each chunk of 16 keys is read and
+ * rearranged once. Online softmax (running max and denominator per token, rescaled
+ * as the max grows); scores and the weighted sum of V use vdpbf16ps (weights rounded
+ * to bf16, as flash attention does on GPUs) with fp32 accumulation; output rounded
+ * to nearest even. Requires D % 32 == 0, D <= 256 and G <= 16.
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,13 +27,13 @@
  * layout): scores for key j are one vector S_j, so the causal mask, the running max
  * and the softmax are lane-wise (no horizontal reductions), q.k is accumulated over
  * pairs of dimensions with vdpbf16ps against a broadcast pair of k, and the output
- * accumulates as O[d] += P_j * v[j][d] with fp32 FMAs. Per head, Qt[dp] holds the
- * 16 tokens' dimension pair dp (2 bf16 in each 32-bit lane) and ot[d] the 16
- * tokens' output dimension d. */
+ * accumulates as O[d] += P_j v[j][d] + P_j+1 v[j+1][d], again with vdpbf16ps over
+ * pairs of keys. Per head, Qt[dp] holds the 16 tokens' dimension pair dp (2 bf16 in
+ * each 32-bit lane) and ot[d] the 16 tokens' output dimension d. */
 static void extend_tile(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *bt,
                         int q_len, int ctx, int t0, int nt, int h, int Hq, int G, int D, int block_size,
                         int64_t sb, int64_t ss, int64_t sh, float scale, uint16_t *out, uint32_t *qt,
-                        __m512 *ot, float *vf, int64_t *offs) {
+                        __m512 *ot, uint32_t *vp, int64_t *offs) {
     const int DP = D / 2;
     const int p0 = ctx - q_len;        /* position of query token 0 */
     const int row0 = p0 + t0;          /* position of the tile's first token (lane 0) */
@@ -56,6 +57,13 @@ static void extend_tile(const uint16_t *q, const uint16_t *k, const uint16_t *v,
         den[g] = _mm512_setzero_ps();
     }
     const __m512 vscale = _mm512_set1_ps(scale);
+    /* Word indices: interleave two vectors' 16-bit elements (pair_lo: elements 0-15,
+     * pair_hi: 16-31), and interleave the two halves of one vector (lane_pairs). */
+    const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                             39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
+    const __m512i lane_pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int c0 = 0; c0 < last_key; c0 += 16) {
         const int n = last_key - c0 < 16 ? last_key - c0 : 16;
         /* Key c0 + j is visible to lanes r with row0 + r >= c0 + j. */
@@ -64,9 +72,19 @@ static void extend_tile(const uint16_t *q, const uint16_t *k, const uint16_t *v,
             int first = c0 + j - row0; /* first lane that sees key c0 + j */
             vis[j] = j >= n ? 0 : first <= 0 ? live : first >= 16 ? 0 : (__mmask16)(live & ~((1u << first) - 1u));
         }
-        for (int j = 0; j < n; j++)
-            for (int d = 0; d < D; d += 16)
-                _mm512_storeu_ps(vf + j * D + d, load16(v + offs[c0 + j] + d, 0xffff));
+        /* V of key pairs (2jp, 2jp + 1) interleaved per dimension: vp[jp * D + d] holds both
+         * keys' v[d] as one 32-bit bf16 pair (a missing odd key reads as 0). */
+        const int npairs = (n + 1) / 2;
+        for (int jp = 0; jp < npairs; jp++) {
+            const uint16_t *va = v + offs[c0 + 2 * jp];
+            const uint16_t *vb = 2 * jp + 1 < n ? v + offs[c0 + 2 * jp + 1] : NULL;
+            for (int d = 0; d < D; d += 32) {
+                __m512i a = _mm512_loadu_si512((const void *)(va + d));
+                __m512i b = vb ? _mm512_loadu_si512((const void *)(vb + d)) : _mm512_setzero_si512();
+                _mm512_storeu_si512((void *)(vp + jp * D + d), _mm512_permutex2var_epi16(a, pair_lo, b));
+                _mm512_storeu_si512((void *)(vp + jp * D + d + 16), _mm512_permutex2var_epi16(a, pair_hi, b));
+            }
+        }
         for (int g = 0; g < G; g++) {
             const uint32_t *qg = qt + (int64_t)g * DP * 16;
             __m512 sc[16];
@@ -94,11 +112,15 @@ static void extend_tile(const uint16_t *q, const uint16_t *k, const uint16_t *v,
             const __mmask16 had = _mm512_cmp_ps_mask(mx[g], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
             const __m512 corr = _mm512_maskz_mov_ps(had, exp16(_mm512_maskz_sub_ps(had, mx[g], mnew)));
             __m512 sum = _mm512_setzero_ps();
-            float pw[16][16] __attribute__((aligned(64)));
-            for (int j = 0; j < 16; j++) {
-                __m512 p = _mm512_maskz_mov_ps(vis[j] & seen, exp16(_mm512_maskz_sub_ps(seen, sc[j], mnew)));
-                sum = _mm512_add_ps(sum, p);
-                _mm512_store_ps(pw[j], p);
+            /* Weights of key pairs as bf16 pairs per lane, for vdpbf16ps against vp (as
+             * flash attention does on GPUs: P rounded to bf16, accumulation in fp32). */
+            __m512bh pp[8];
+            for (int jp = 0; jp < 8; jp++) {
+                __m512 p0 = _mm512_maskz_mov_ps(vis[2 * jp] & seen, exp16(_mm512_maskz_sub_ps(seen, sc[2 * jp], mnew)));
+                __m512 p1 = _mm512_maskz_mov_ps(vis[2 * jp + 1] & seen,
+                                                exp16(_mm512_maskz_sub_ps(seen, sc[2 * jp + 1], mnew)));
+                sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+                pp[jp] = (__m512bh)_mm512_permutexvar_epi16(lane_pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
             }
             den[g] = _mm512_fmadd_ps(den[g], corr, sum);
             mx[g] = mnew;
@@ -106,10 +128,10 @@ static void extend_tile(const uint16_t *q, const uint16_t *k, const uint16_t *v,
             for (int d0 = 0; d0 < D; d0 += 16) {
                 __m512 o[16];
                 for (int dd = 0; dd < 16; dd++) o[dd] = _mm512_mul_ps(og[d0 + dd], corr);
-                for (int j = 0; j < n; j++) {
-                    const __m512 p = _mm512_load_ps(pw[j]);
-                    const float *vr = vf + j * D + d0;
-                    for (int dd = 0; dd < 16; dd++) o[dd] = _mm512_fmadd_ps(p, _mm512_set1_ps(vr[dd]), o[dd]);
+                for (int jp = 0; jp < npairs; jp++) {
+                    const uint32_t *vr = vp + jp * D + d0;
+                    for (int dd = 0; dd < 16; dd++)
+                        o[dd] = _mm512_dpbf16_ps(o[dd], pp[jp], (__m512bh)_mm512_set1_epi32((int)vr[dd]));
                 }
                 for (int dd = 0; dd < 16; dd++) og[d0 + dd] = o[dd];
             }
@@ -159,7 +181,7 @@ int kvmesh_extend_attention_bf16(const uint16_t *q, const uint16_t *k, const uin
     {
         uint32_t *qt = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)G * D / 2 * 16);
         __m512 *ot = (__m512 *)aligned_alloc(64, sizeof(__m512) * (size_t)G * D);
-        float *vf = (float *)malloc(sizeof(float) * 16 * (size_t)D);
+        uint32_t *vp = (uint32_t *)malloc(sizeof(uint32_t) * 8 * (size_t)D);
         int64_t *offs = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_ctx);
         /* Later tiles see more keys: hand them out first. */
 #pragma omp for schedule(dynamic, 1)
@@ -177,11 +199,11 @@ int kvmesh_extend_attention_bf16(const uint16_t *q, const uint16_t *k, const uin
             const int nt = q_len - t0 < TILE ? q_len - t0 : TILE;
             extend_tile(q + (int64_t)q0 * Hq * D, k, v, block_tables + (int64_t)s * bt_stride, q_len, seq_lens[s],
                         t0, nt, h, Hq, G, D, block_size, sb, ss, sh, scale, out + (int64_t)q0 * Hq * D, qt, ot,
-                        vf, offs);
+                        vp, offs);
         }
         free(qt);
         free(ot);
-        free(vf);
+        free(vp);
         free(offs);
     }
     free(tile_start);
