@@ -14,7 +14,10 @@
 
 #include "kvmesh_cpu.h"
 
-#define PARALLEL_MIN_ELEMS (1 << 18) /* below this (decode batches), one thread is as fast */
+/* Below this many elements one thread is as fast as two (thread wake-up dominates);
+ * SiLU costs an exp and a division per element, so it splits earlier. */
+#define PARALLEL_MIN_ELEMS (1 << 18)
+#define PARALLEL_MIN_ELEMS_SILU (1 << 15)
 
 /* out = weight * bf16(h * rsqrt(mean(h^2) + eps)) with h = bf16(x + res) (or x without res);
  * h is stored to h_out when res is given. Rows of N elements; strides in elements. */
@@ -119,7 +122,7 @@ void kvmesh_rope_write_kv_bf16(const uint16_t *q, int64_t q_stride, const uint16
  * fused projection, as F.silu(g) * u computes them in bf16. */
 void kvmesh_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, uint16_t *out, int64_t T, int I,
                           int num_threads) {
-    int nt = (int64_t)T * I >= PARALLEL_MIN_ELEMS ? num_threads : 1;
+    int nt = (int64_t)T * I >= PARALLEL_MIN_ELEMS_SILU ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *g = gu + t * gu_stride, *u = g + I;
