@@ -57,8 +57,10 @@ _SIGNATURES = {
     "kvmesh_silu_mul_bf16": [_P, _I64, _P, _I64, _I, _I],
     "kvmesh_extend_attention_bf16": [_P] * 4 + [_I64, _I, _P, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I],
 }
+_SIGNATURES["kvmesh_decode_step_bf16"] = [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P] + [_I] * 5 \
+    + [_I64] * 3 + [_F, _I]
 _SIGNATURES["kvmesh_argmax_bf16"] = _SIGNATURES["kvmesh_argmax_f32"] = [_P, _I64, _I64, _I64, _P, _I]
-_RETURNS = {"kvmesh_extend_attention_bf16": ctypes.c_int}
+_RETURNS = {"kvmesh_extend_attention_bf16": ctypes.c_int, "kvmesh_decode_step_bf16": ctypes.c_int}
 
 
 def _cache_dir() -> Path:
@@ -91,6 +93,8 @@ def _build(cc: str, target: Path) -> None:
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernel library, building it if needed; None if it cannot be built."""
     global _lib, _tried
+    if _tried:  # every kernel call asks; skip the lock once the answer is known
+        return _lib
     with _lock:
         if _tried:
             return _lib
@@ -199,6 +203,45 @@ def paged_extend_attention_cpu(
             return out
     return paged_extend_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                                       max_query_len=max_query_len)
+
+
+def decode_step_cpu(
+    qkv: torch.Tensor,
+    num_heads: int,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """RoPE + KV write + decode attention for one query row per sequence, in one call.
+
+    qkv: bf16 [B, (Hq + 2 Hkv) D] rows (q | k | v); returns [B, Hq D], or None where the
+    native code does not apply (the caller then runs the separate kernels).
+    """
+    lib = load_library()
+    if lib is None or not _bf16_rows(qkv) or k_cache.dtype != torch.bfloat16 or k_cache.dim() != 4 \
+            or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or cos_sin.dtype != torch.float32 \
+            or not cos_sin.is_contiguous() or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64 \
+            or block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.stride(1) != 1:
+        return None
+    b = qkv.shape[0]
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    if (qkv.shape[1] != (num_heads + 2 * hkv) * d or num_heads % hkv or cos_sin.shape[1] != d
+            or d > 256 or num_heads // hkv > 16
+            or positions.shape != (b,) or slot_mapping.shape != (b,) or seq_lens.shape != (b,)):
+        return None
+    out = torch.empty((b, num_heads * d), dtype=torch.bfloat16)
+    sb, ss, sh, _ = k_cache.stride()
+    rc = lib.kvmesh_decode_step_bf16(
+        qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos_sin.data_ptr(), slot_mapping.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        seq_lens.data_ptr(), out.data_ptr(), b, num_heads, hkv, d, k_cache.shape[1], sb, ss, sh, float(scale),
+        torch.get_num_threads())
+    return out if rc == 0 else None
 
 
 def _bf16_rows(x: torch.Tensor) -> bool:

@@ -71,6 +71,7 @@ class AttentionBackend:
         from kvmesh.engine.kernels import activation, decode_attention, extend_attention, rmsnorm, rope
 
         self.silu_mul = activation.silu_mul_ref
+        self._decode_step = None  # fused RoPE + KV write + decode attention, where there is one
         if name == "triton":
             self.rms_norm = rmsnorm.rms_norm_triton
             self.rope_write_kv = rope.rope_write_kv_triton
@@ -82,6 +83,7 @@ class AttentionBackend:
             self.rms_norm = nat.rms_norm_cpu
             self.rope_write_kv = nat.rope_write_kv_cpu
             self.silu_mul = nat.silu_mul_cpu
+            self._decode_step = nat.decode_step_cpu
             self._decode = nat.paged_decode_attention_cpu
             self._extend = nat.paged_extend_attention_cpu
         else:
@@ -89,6 +91,37 @@ class AttentionBackend:
             self.rope_write_kv = rope.rope_write_kv_ref
             self._decode = decode_attention.paged_decode_attention_ref
             self._extend = extend_attention.paged_extend_attention_ref
+
+    def qkv_attention(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        meta: AttnMetadata,
+        cos_sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Fused q|k|v projection rows [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D].
+
+        RoPE on q and k, k and v written to the cache at meta.slot_mapping, then paged
+        attention: the same as rope_write_kv followed by attention, in one native call
+        for decode-only steps where the backend has one.
+        """
+        t = qkv.shape[0]
+        d = k_cache.shape[-1]
+        qd, kvd = num_heads * d, num_kv_heads * d
+        if self._decode_step is not None and meta.num_decodes == meta.num_seqs:
+            out = self._decode_step(qkv, num_heads, meta.positions, cos_sin, meta.slot_mapping, k_cache, v_cache,
+                                    meta.decode_block_tables, meta.decode_seq_lens, scale)
+            if out is not None:
+                return out
+        q = qkv[:, :qd].view(t, num_heads, d)
+        k = qkv[:, qd:qd + kvd].view(t, num_kv_heads, d)
+        v = qkv[:, qd + kvd:].view(t, num_kv_heads, d)
+        q, _ = self.rope_write_kv(q, k, v, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        return self.attention(q, k_cache, v_cache, meta, scale).reshape(t, qd)
 
     def attention(
         self,

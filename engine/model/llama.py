@@ -131,15 +131,15 @@ class LlamaModel:
             else:
                 x, residual = be.rms_norm(h, lw.input_norm, eps, residual)
             qkv = lw.qkv(x)
-            q = qkv[:, :qd].view(t, hq, d)
-            k = qkv[:, qd:qd + kvd].view(t, hkv, d)
-            v = qkv[:, qd + kvd:].view(t, hkv, d)
-            if lw.q_norm is not None:
-                q, _ = be.rms_norm(q, lw.q_norm, eps)
-                k, _ = be.rms_norm(k, lw.k_norm, eps)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            q, _ = be.rope_write_kv(q, k, v, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping)
-            o = be.attention(q, k_cache, v_cache, meta, self.scale).reshape(t, qd)
+            if lw.q_norm is None:
+                o = be.qkv_attention(qkv, hq, hkv, meta, self.cos_sin, k_cache, v_cache, self.scale)
+            else:  # Qwen3: per-head RMSNorm on q and k before RoPE
+                q, _ = be.rms_norm(qkv[:, :qd].view(t, hq, d), lw.q_norm, eps)
+                k, _ = be.rms_norm(qkv[:, qd:qd + kvd].view(t, hkv, d), lw.k_norm, eps)
+                v = qkv[:, qd + kvd:].view(t, hkv, d)
+                q, _ = be.rope_write_kv(q, k, v, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping)
+                o = be.attention(q, k_cache, v_cache, meta, self.scale).reshape(t, qd)
             if keep is not None and i == len(self.layers) - 1:
                 o, residual = o[keep], residual[keep]
             h = lw.o(o)

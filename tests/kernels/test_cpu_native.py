@@ -160,3 +160,28 @@ def test_argmax_rows_matches_torch(dtype, cols):
     x[6, -1] = float("nan")                     # first NaN wins
     assert torch.equal(nat.argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(nat.argmax_rows(x[:, : cols - 1]), x[:, : cols - 1].argmax(dim=-1))  # strided rows
+
+
+@pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 48)])
+def test_decode_step_matches_rope_then_attention(hq, hkv, head_dim):
+    g = torch.Generator().manual_seed(hq + head_dim)
+    lens = [1, 17, 40, 130, 16]
+    batch = make_paged_batch(lens, hkv, head_dim, 16, torch.bfloat16, g)
+    b = len(lens)
+    qkv = torch.randn(b, (hq + 2 * hkv) * head_dim, generator=g).bfloat16()
+    cos_sin = build_cos_sin_cache(head_dim, 512, 10000.0)
+    positions = (batch.seq_lens - 1).to(torch.int64)  # each sequence's new token is its last
+    bs = batch.k_cache.shape[1]
+    slots = torch.tensor([int(batch.block_tables[i, p // bs]) * bs + p % bs for i, p in enumerate(positions.tolist())])
+    caches = [batch.k_cache.clone(), batch.v_cache.clone()]
+    got = nat.decode_step_cpu(qkv, hq, positions, cos_sin, slots, caches[0], caches[1], batch.block_tables,
+                              batch.seq_lens, head_dim ** -0.5)
+    assert got is not None
+    qd, kvd = hq * head_dim, hkv * head_dim
+    q, _ = rope_write_kv_ref(qkv[:, :qd].view(b, hq, head_dim), qkv[:, qd:qd + kvd].view(b, hkv, head_dim),
+                             qkv[:, qd + kvd:].view(b, hkv, head_dim), positions, cos_sin, batch.k_cache,
+                             batch.v_cache, slots)
+    want = paged_decode_attention_ref(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                      head_dim ** -0.5)
+    assert torch.equal(caches[0], batch.k_cache) and torch.equal(caches[1], batch.v_cache)
+    torch.testing.assert_close(got.view(b, hq, head_dim).float(), want.float(), atol=2e-2, rtol=2e-2)

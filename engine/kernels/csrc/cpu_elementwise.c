@@ -72,7 +72,8 @@ void kvmesh_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *r
 /* NeoX rotation of q and k at their positions (HF: x * cos + rotate_half(x) * sin with
  * cos/sin in bf16 and every product and sum rounded), rotated k and v written to the
  * paged cache at slot_mapping (slot = block * block_size + offset), q_rot and k_rot to
- * dense outputs [T, H, D]. cos_sin is the fp32 [positions, D] table: cos | sin. */
+ * dense outputs [T, H, D] (k_out may be NULL). cos_sin is the fp32 [positions, D]
+ * table: cos | sin. */
 void kvmesh_rope_write_kv_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                                const uint16_t *v, int64_t v_stride, const int64_t *positions,
                                const float *cos_sin, const int64_t *slots, uint16_t *k_cache,
@@ -89,7 +90,8 @@ void kvmesh_rope_write_kv_bf16(const uint16_t *q, int64_t q_stride, const uint16
         for (int h = 0; h < Hq + Hkv; h++) {
             const int is_q = h < Hq;
             const uint16_t *src = is_q ? q + t * q_stride + (int64_t)h * D : k + t * k_stride + (int64_t)(h - Hq) * D;
-            uint16_t *dst = is_q ? q_out + (t * Hq + h) * D : k_out + (t * Hkv + (h - Hq)) * D;
+            uint16_t *dst = is_q ? q_out + (t * Hq + h) * D
+                          : k_out ? k_out + (t * Hkv + (h - Hq)) * D : k_cache + base + (int64_t)(h - Hq) * ch;
 #ifdef KVMESH_HAVE_AVX512_BF16
             for (int i = 0; i < half; i += 16) {
                 __mmask16 m = mask16(half - i);
@@ -111,7 +113,7 @@ void kvmesh_rope_write_kv_bf16(const uint16_t *q, int64_t q_stride, const uint16
                 dst[half + i] = f2bf(round_bf(x2 * c) + round_bf(x1 * s));
             }
 #endif
-            if (!is_q) memcpy(k_cache + base + (int64_t)(h - Hq) * ch, dst, (size_t)D * 2);
+            if (!is_q && k_out) memcpy(k_cache + base + (int64_t)(h - Hq) * ch, dst, (size_t)D * 2);
         }
         for (int h = 0; h < Hkv; h++)
             memcpy(v_cache + base + (int64_t)h * ch, v + t * v_stride + (int64_t)h * D, (size_t)D * 2);

@@ -22,6 +22,18 @@ static inline uint16_t f2bf(float f) {
     return (uint16_t)(u >> 16);
 }
 
+void kvmesh_rope_write_kv_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                               const uint16_t *v, int64_t v_stride, const int64_t *positions,
+                               const float *cos_sin, const int64_t *slots, uint16_t *k_cache,
+                               uint16_t *v_cache, int64_t cb, int64_t cs, int64_t ch, int block_size,
+                               uint16_t *q_out, uint16_t *k_out, int64_t T, int Hq, int Hkv, int D,
+                               int num_threads);
+void kvmesh_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                                  const int32_t *block_tables, int64_t bt_stride,
+                                  const int32_t *seq_lens, uint16_t *out, int B, int Hq, int Hkv,
+                                  int D, int block_size, int64_t sb, int64_t ss, int64_t sh,
+                                  float scale, int num_threads);
+
 /* Round an fp32 value to bf16 and back: the value a torch bf16 op would hold. */
 static inline float round_bf(float f) { return bf2f(f2bf(f)); }
 
