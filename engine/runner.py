@@ -52,9 +52,8 @@ class ModelRunner:
             q_lens.append(n)
             starts.append(c)
         max_blocks = max(len(b) for b in block_ids)
-        table = torch.zeros((len(block_ids), max_blocks), dtype=torch.int32)
-        for i, b in enumerate(block_ids):
-            table[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        # One tensor from padded rows (0 is a valid block id; attention stops at seq_len).
+        table = torch.tensor([b + [0] * (max_blocks - len(b)) for b in block_ids], dtype=torch.int32)
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
         starts_t = torch.tensor(starts, dtype=torch.int64)
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
