@@ -48,7 +48,7 @@ _tried = False
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _DECODE_ARGS = [_P] * 4 + [_I64, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I]
-_SIGNATURES = {
+_SIGNATURES = {  # C prototypes; keep in step with csrc/
     "kvmesh_decode_attention_f32": _DECODE_ARGS,
     "kvmesh_decode_attention_bf16": _DECODE_ARGS,
     "kvmesh_rms_norm_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I, _F, _I],
@@ -56,10 +56,10 @@ _SIGNATURES = {
                                   _P, _P, _I64, _I, _I, _I, _I],
     "kvmesh_silu_mul_bf16": [_P, _I64, _P, _I64, _I, _I],
     "kvmesh_extend_attention_bf16": [_P] * 4 + [_I64, _I, _P, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I],
+    "kvmesh_decode_step_bf16": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I],
+    "kvmesh_argmax_bf16": [_P, _I64, _I64, _I64, _P, _I],
+    "kvmesh_argmax_f32": [_P, _I64, _I64, _I64, _P, _I],
 }
-_SIGNATURES["kvmesh_decode_step_bf16"] = [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P] + [_I] * 5 \
-    + [_I64] * 3 + [_F, _I]
-_SIGNATURES["kvmesh_argmax_bf16"] = _SIGNATURES["kvmesh_argmax_f32"] = [_P, _I64, _I64, _I64, _P, _I]
 _RETURNS = {"kvmesh_extend_attention_bf16": ctypes.c_int, "kvmesh_decode_step_bf16": ctypes.c_int}
 
 
@@ -79,19 +79,46 @@ def _cpu_fingerprint() -> str:
     return platform.machine() + flags
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: str, target: Path, march: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
+    flags = [f if f != "-march=native" else f"-march={march}" for f in _FLAGS]
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *_FLAGS, *(str(_CSRC / f) for f in _SOURCES), "-o", str(out), "-lm"],
+        proc = subprocess.run([cc, *flags, *(str(_CSRC / f) for f in _SOURCES), "-o", str(out), "-lm"],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed to build the native CPU kernels:\n{proc.stderr[-2000:]}")
         os.replace(out, target)  # atomic: concurrent builders never load a partial file
 
 
+def build_library(march: str = "native", cache_dir: Path | None = None) -> ctypes.CDLL:
+    """Compile (once per source version, flags and CPU) and load the kernels for `march`.
+
+    Raises RuntimeError without a C compiler or when the build fails. Tests build the
+    portable variant (e.g. march="x86-64-v2") this way to cover CPUs without AVX512.
+    """
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC or install cc/gcc)")
+    digest = hashlib.sha256(" ".join(_FLAGS).encode() + march.encode() + _cpu_fingerprint().encode())
+    for name in _SOURCES + _HEADERS:
+        digest.update((_CSRC / name).read_bytes())
+    target = (cache_dir or _cache_dir()) / f"kvmesh_cpu-{digest.hexdigest()[:16]}.so"
+    if not target.exists():
+        _build(cc, target, march)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        raise RuntimeError(f"cannot load {target}: {e}") from e
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = _RETURNS.get(name)
+        fn.argtypes = argtypes
+    return lib
+
+
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernel library, building it if needed; None if it cannot be built."""
+    """The compiled kernel library for this CPU, built on first use; None if it cannot be built."""
     global _lib, _tried
     if _tried:  # every kernel call asks; skip the lock once the answer is known
         return _lib
@@ -101,27 +128,12 @@ def load_library() -> ctypes.CDLL | None:
         _tried = True
         if os.environ.get("KVMESH_DISABLE_NATIVE_CPU") == "1":
             return None
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if cc is None:
-            log.warning("no C compiler found; the CPU engine uses the slower torch kernels")
-            return None
-        digest = hashlib.sha256(" ".join(_FLAGS).encode() + _cpu_fingerprint().encode())
-        for name in _SOURCES + _HEADERS:
-            digest.update((_CSRC / name).read_bytes())
-        target = _cache_dir() / f"kvmesh_cpu-{digest.hexdigest()[:16]}.so"
         try:
-            if not target.exists():
-                _build(cc, target)
-            lib = ctypes.CDLL(str(target))
-        except (OSError, RuntimeError) as e:
+            _lib = build_library()
+        except RuntimeError as e:
             log.warning("native CPU kernels unavailable (%s); using the torch kernels", e)
             return None
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype = _RETURNS.get(name)
-            fn.argtypes = argtypes
-        _lib = lib
-        return lib
+        return _lib
 
 
 def native_available() -> bool:
