@@ -102,17 +102,19 @@ class AttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
         """Fused q|k|v projection rows [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D].
 
-        RoPE on q and k, k and v written to the cache at meta.slot_mapping, then paged
-        attention: the same as rope_write_kv followed by attention, in one native call
-        for decode-only steps where the backend has one.
+        Optional per-head RMSNorm of q and k (qk_norm = (q_weight, k_weight, eps), as in
+        Qwen3), RoPE on q and k, k and v written to the cache at meta.slot_mapping, then
+        paged attention. Decode-only steps without qk_norm run it as one native call
+        where the backend has one.
         """
         t = qkv.shape[0]
         d = k_cache.shape[-1]
         qd, kvd = num_heads * d, num_kv_heads * d
-        if self._decode_step is not None and meta.num_decodes == meta.num_seqs:
+        if self._decode_step is not None and qk_norm is None and meta.num_decodes == meta.num_seqs:
             out = self._decode_step(qkv, num_heads, meta.positions, cos_sin, meta.slot_mapping, k_cache, v_cache,
                                     meta.decode_block_tables, meta.decode_seq_lens, scale)
             if out is not None:
@@ -120,6 +122,10 @@ class AttentionBackend:
         q = qkv[:, :qd].view(t, num_heads, d)
         k = qkv[:, qd:qd + kvd].view(t, num_kv_heads, d)
         v = qkv[:, qd + kvd:].view(t, num_kv_heads, d)
+        if qk_norm is not None:
+            q_weight, k_weight, eps = qk_norm
+            q, _ = self.rms_norm(q, q_weight, eps)
+            k, _ = self.rms_norm(k, k_weight, eps)
         q, _ = self.rope_write_kv(q, k, v, meta.positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         return self.attention(q, k_cache, v_cache, meta, scale).reshape(t, qd)
 

@@ -118,9 +118,7 @@ class LlamaModel:
         layer's attention only these rows go through its output projection and MLP.
         """
         c, be = self.config, self.backend
-        t = input_ids.shape[0]
-        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        qd, kvd = hq * d, hkv * d
+        hq, hkv = c.num_heads, c.num_kv_heads
         eps = c.rms_norm_eps
         h = F.embedding(input_ids, self.embed)
         residual: torch.Tensor | None = None
@@ -132,14 +130,8 @@ class LlamaModel:
                 x, residual = be.rms_norm(h, lw.input_norm, eps, residual)
             qkv = lw.qkv(x)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            if lw.q_norm is None:
-                o = be.qkv_attention(qkv, hq, hkv, meta, self.cos_sin, k_cache, v_cache, self.scale)
-            else:  # Qwen3: per-head RMSNorm on q and k before RoPE
-                q, _ = be.rms_norm(qkv[:, :qd].view(t, hq, d), lw.q_norm, eps)
-                k, _ = be.rms_norm(qkv[:, qd:qd + kvd].view(t, hkv, d), lw.k_norm, eps)
-                v = qkv[:, qd + kvd:].view(t, hkv, d)
-                q, _ = be.rope_write_kv(q, k, v, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping)
-                o = be.attention(q, k_cache, v_cache, meta, self.scale).reshape(t, qd)
+            qk_norm = None if lw.q_norm is None else (lw.q_norm, lw.k_norm, eps)
+            o = be.qkv_attention(qkv, hq, hkv, meta, self.cos_sin, k_cache, v_cache, self.scale, qk_norm)
             if keep is not None and i == len(self.layers) - 1:
                 o, residual = o[keep], residual[keep]
             h = lw.o(o)
