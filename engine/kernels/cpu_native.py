@@ -140,6 +140,13 @@ def native_available() -> bool:
     return load_library() is not None
 
 
+def _paged_cache_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """K/V caches the C kernels can address: [blocks, block_size, heads, D] on CPU in
+    `dtype`, one shared stride set, head dimension contiguous."""
+    return (k_cache.dim() == 4 and k_cache.device.type == "cpu" and k_cache.dtype == dtype
+            and v_cache.dtype == dtype and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1)
+
+
 def paged_decode_attention_cpu(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -156,9 +163,7 @@ def paged_decode_attention_cpu(
     hkv = k_cache.shape[2]
     ok = (
         lib is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-        and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
-        and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-        and d <= 256 and hq // hkv <= 16 and block_tables.dtype == torch.int32
+        and _paged_cache_ok(k_cache, v_cache, q.dtype) and d <= 256 and hq // hkv <= 16 and block_tables.dtype == torch.int32
         and seq_lens.dtype == torch.int32
     )
     if not ok:
@@ -191,9 +196,8 @@ def paged_extend_attention_cpu(
     """Same contract as `extend_attention.paged_extend_attention_ref`; native for bf16."""
     lib = load_library()
     ok = (
-        lib is not None and q.dim() == 3 and k_cache.dim() == 4
-        and all(a.device.type == "cpu" and a.dtype == torch.bfloat16 for a in (q, k_cache, v_cache))
-        and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+        lib is not None and q.dim() == 3 and q.device.type == "cpu" and q.dtype == torch.bfloat16
+        and _paged_cache_ok(k_cache, v_cache, torch.bfloat16)
         and q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
         and block_tables.dtype == torch.int32 and block_tables.dim() == 2
         and query_start_loc.dtype == torch.int32 and seq_lens.dtype == torch.int32
@@ -235,8 +239,8 @@ def decode_step_cpu(
     native code does not apply (the caller then runs the separate kernels).
     """
     lib = load_library()
-    if lib is None or not _bf16_rows(qkv) or k_cache.dtype != torch.bfloat16 or k_cache.dim() != 4 \
-            or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or cos_sin.dtype != torch.float32 \
+    if lib is None or not _bf16_rows(qkv) or not _paged_cache_ok(k_cache, v_cache, torch.bfloat16) \
+            or cos_sin.dtype != torch.float32 \
             or not cos_sin.is_contiguous() or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64 \
             or block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.stride(1) != 1:
         return None
@@ -300,9 +304,9 @@ def rope_write_kv_cpu(
     lib = load_library()
     ok = (
         lib is not None and q.dim() == 3 and k.dim() == 3 and v.shape == k.shape
-        and all(a.device.type == "cpu" and a.dtype == torch.bfloat16 for a in (q, k, v, k_cache, v_cache))
+        and all(a.device.type == "cpu" and a.dtype == torch.bfloat16 for a in (q, k, v))
         and all(a.stride(2) == 1 and a.stride(1) == a.shape[2] for a in (q, k, v))
-        and k_cache.stride() == v_cache.stride() and k_cache.dim() == 4 and k_cache.stride(3) == 1
+        and _paged_cache_ok(k_cache, v_cache, torch.bfloat16)
         and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[1] == q.shape[2]
         and positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
         and k.shape[1:] == k_cache.shape[2:]

@@ -245,8 +245,6 @@ static void decode_seq_dispatch(const uint16_t *q, const uint16_t *k, const uint
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
 
-int kvmesh_max_g(void) { return MAX_G; }
-int kvmesh_max_d(void) { return MAX_D; }
 
 void kvmesh_decode_attention_f32(const float *q, const float *k, const float *v,
                                  const int32_t *block_tables, int64_t bt_stride,
