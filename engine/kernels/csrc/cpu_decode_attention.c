@@ -245,7 +245,6 @@ static void decode_seq_dispatch(const uint16_t *q, const uint16_t *k, const uint
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
 
-
 void kvmesh_decode_attention_f32(const float *q, const float *k, const float *v,
                                  const int32_t *block_tables, int64_t bt_stride,
                                  const int32_t *seq_lens, float *out, int B, int Hq, int Hkv, int D,
