@@ -1,0 +1,164 @@
+"""KV events on the wire: the message layout engines publish and routers/cache nodes read.
+
+The layout is the one vLLM's KV event publisher uses, so third-party routers that read vLLM
+engines (Dynamo's ZMQ relay, llm-d's precise prefix-cache scorer) can read kvmesh engines too:
+
+* PUB socket, one multipart message per event record::
+
+      [topic, seq as 8-byte big-endian unsigned, msgpack(KVEventBatch)]
+
+  ``KVEventBatch`` is the array ``[ts, [event, ...]]``; each event is a tagged array
+  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
+  ``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]``. ``medium`` is the
+  tier (``gpu``, ``cpu``, ``remote``). kvmesh sends one record per message, so the message
+  ``seq`` is the record's ``KVEventLog`` sequence number and a gap in ``seq`` is a lost record.
+  The topic is ``kv-events/<engine id>``: a subscriber that subscribes to the prefix
+  ``kv-events`` receives every engine's stream and can still tell them apart.
+
+* Replay (ROUTER socket, the PUB port + 1): a DEALER sends one frame, the first wanted seq as
+  8-byte big-endian. The engine answers ``[b"", seq, payload]`` for every buffered record from
+  that seq on, then the end marker ``[b"", REPLAY_END, b""]``. When the wanted seq is older
+  than the buffer it answers only the end marker and the subscriber resyncs from the HTTP
+  snapshot (``GET /kv/snapshot``, ``snapshot_to_json``).
+
+Invariant: ``to_internal(from_internal(e)) == e`` for every internal event (the tests check it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .block_hash import BlockHash
+from .events import TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventRecord, KVSnapshot
+
+TOPIC_PREFIX = b"kv-events"
+REPLAY_END = (-1).to_bytes(8, "big", signed=True)
+"""The seq frame that ends a replay answer (its payload frame is empty)."""
+SNAPSHOT_FORMAT = "kvmesh-kv-snapshot-v1"
+
+
+def topic_for(engine_id: str) -> bytes:
+    return TOPIC_PREFIX + b"/" + engine_id.encode()
+
+
+def engine_of_topic(topic: bytes) -> str:
+    """The engine id a topic names (empty when the publisher used the bare prefix)."""
+    return topic[len(TOPIC_PREFIX) + 1:].decode() if topic.startswith(TOPIC_PREFIX + b"/") else ""
+
+
+def seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def seq_from_bytes(raw: bytes) -> int:
+    """Sequence number of a seq frame; -1 for ``REPLAY_END``."""
+    if len(raw) != 8:
+        raise WireFormatError(f"a seq frame has 8 bytes, got {len(raw)}")
+    return int.from_bytes(raw, "big", signed=raw == REPLAY_END)
+
+
+class WireFormatError(ValueError):
+    """A message does not follow the KV event layout (the text says which part)."""
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class WireEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of the tagged event records (the tag is the class name on the wire)."""
+
+
+class WireBlockStored(WireEvent, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class WireBlockRemoved(WireEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None
+
+
+class WireAllBlocksCleared(WireEvent, tag="AllBlocksCleared"):
+    medium: str | None = None
+    """Not in vLLM's record: None (sent as nil) means gpu. Decoders of vLLM's field-less record
+    ignore the extra trailing element, as msgspec's array-like structs do."""
+
+
+class KVEventBatch(EventBatch):
+    events: list[WireBlockStored | WireBlockRemoved | WireAllBlocksCleared]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def from_internal(event: KVEvent) -> WireEvent:
+    if isinstance(event, BlockStored):
+        return WireBlockStored(list(event.block_hashes), event.parent_hash, list(event.token_ids),
+                               event.block_size, None, event.tier)
+    if isinstance(event, BlockRemoved):
+        return WireBlockRemoved(list(event.block_hashes), event.tier)
+    if isinstance(event, AllBlocksCleared):
+        return WireAllBlocksCleared(None if event.tier == "gpu" else event.tier)
+    raise TypeError(f"not a KV event: {event!r}")
+
+
+def _hash(h: bytes | int) -> BlockHash:
+    if isinstance(h, int):  # vLLM engines may send 64-bit ints; kvmesh always sends 32 bytes
+        return h.to_bytes(32, "big", signed=h < 0)
+    return bytes(h)
+
+
+def _tier(medium: str | None) -> str:
+    tier = (medium or "gpu").lower()
+    if tier not in TIERS:
+        raise WireFormatError(f"unknown medium {medium!r}; expected one of {', '.join(TIERS)}")
+    return tier
+
+
+def to_internal(event: WireEvent) -> KVEvent:
+    if isinstance(event, WireBlockStored):
+        parent = None if event.parent_block_hash is None else _hash(event.parent_block_hash)
+        return BlockStored([_hash(h) for h in event.block_hashes], parent, list(event.token_ids),
+                           event.block_size, _tier(event.medium))
+    if isinstance(event, WireBlockRemoved):
+        return BlockRemoved([_hash(h) for h in event.block_hashes], _tier(event.medium))
+    if isinstance(event, WireAllBlocksCleared):
+        return AllBlocksCleared(_tier(event.medium))
+    raise TypeError(f"not a wire KV event: {event!r}")
+
+
+def encode_record(rec: KVEventRecord) -> tuple[bytes, bytes]:
+    """(seq frame, payload frame) of one record."""
+    return seq_bytes(rec.seq), _encoder.encode(KVEventBatch(rec.timestamp, [from_internal(rec.event)]))
+
+
+def decode_payload(payload: bytes) -> KVEventBatch:
+    try:
+        return _decoder.decode(payload)
+    except msgspec.DecodeError as e:
+        raise WireFormatError(f"not a KV event batch: {e}") from None
+
+
+def snapshot_to_json(snap: KVSnapshot) -> dict[str, Any]:
+    """JSON body of ``GET /kv/snapshot``: every tier's hashes (hex) valid at ``seq``."""
+    return {"format": SNAPSHOT_FORMAT, "engine_id": snap.engine_id, "seq": snap.seq,
+            "tiers": {t: sorted(h.hex() for h in hs) for t, hs in snap.hashes.items()}}
+
+
+def snapshot_from_json(doc: dict[str, Any]) -> KVSnapshot:
+    if doc.get("format") != SNAPSHOT_FORMAT:
+        raise WireFormatError(f"snapshot format {doc.get('format')!r}; expected {SNAPSHOT_FORMAT!r}")
+    try:
+        tiers = {_tier(t): frozenset(bytes.fromhex(h) for h in hs) for t, hs in doc["tiers"].items()}
+        return KVSnapshot(int(doc["seq"]), str(doc["engine_id"]), tiers)
+    except (KeyError, TypeError, ValueError) as e:
+        raise WireFormatError(f"malformed snapshot: {e}") from None
