@@ -12,6 +12,7 @@ _SUBCOMMANDS = (
     ("kvmesh.engine.server.cli", "add_serve_subcommand"),
     ("kvmesh.engine.generate_cli", "add_generate_subcommand"),
     ("kvmesh.operator.cli", "add_operator_subcommand"),
+    ("kvmesh.up", "add_up_subcommand"),
 )
 
 

@@ -1,0 +1,301 @@
+"""`kvmesh up`: the local platform (a router in front of N colocated engines) as child processes.
+
+The plan (which processes, with which command lines, ports and thread counts) is a pure
+function of the options, tested directly; the supervisor only starts what the plan says,
+waits for each to be ready, prints status lines and stops everything together.
+
+Supervisor invariants: every child runs in its own process group and is stopped (SIGTERM,
+then SIGKILL after the grace period) whenever `up` exits, whatever the reason; when any child
+exits on its own, `up` stops the rest and exits non-zero after printing that child's last log
+lines; Ctrl-C or SIGTERM stops the router first (no new work), then the engines, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_LOG_TAIL_LINES = 30
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    engines: int = 2
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine_base_port: int = 8100
+    kv_events_base_port: int = 5557
+    model: str = "default"
+    policy: str = "cache-aware"
+    threads: int | None = None  # per engine; None: split the cores evenly
+    kv_cache_bytes: str | None = None
+    serve_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ProcSpec:
+    """One child process: its name, `kvmesh` arguments (without the program) and HTTP base URL."""
+
+    name: str
+    args: tuple[str, ...]
+    url: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class UpError(RuntimeError):
+    """The local platform could not start or a process died; the message says which and why."""
+
+
+def threads_per_engine(engines: int, cores: int, requested: int | None) -> int:
+    """Each engine's torch threads: the request, or the cores split evenly (at least one)."""
+    if requested is not None:
+        if requested < 1:
+            raise UpError(f"--threads must be >= 1, got {requested}")
+        return requested
+    return max(1, cores // max(1, engines))
+
+
+def plan(opts: UpOptions, cores: int) -> list[ProcSpec]:
+    """Engines first, then the router that fronts them (the order they are started in)."""
+    if opts.engines < 1:
+        raise UpError(f"--engines must be >= 1, got {opts.engines}")
+    ports = [opts.port] + [opts.engine_base_port + i for i in range(opts.engines)]
+    ports += [opts.kv_events_base_port + 2 * i + k for i in range(opts.engines) for k in (0, 1)]
+    if len(set(ports)) != len(ports) or any(not 0 < p < 65536 for p in ports):
+        raise UpError(f"the router port, the engine ports ({opts.engine_base_port}+i) and the KV event ports "
+                      f"({opts.kv_events_base_port}+2i, +2i+1) must be distinct valid ports: {sorted(ports)}")
+    threads = threads_per_engine(opts.engines, cores, opts.threads)
+    # Each engine is told its thread count; the env keeps OpenMP/BLAS pools from oversubscribing.
+    env = {"OMP_NUM_THREADS": str(threads)}
+    specs: list[ProcSpec] = []
+    for i in range(opts.engines):
+        port = opts.engine_base_port + i
+        args = ["serve", "--model", opts.model, "--host", opts.host, "--port", str(port),
+                "--num-threads", str(threads), "--kv-events-port", str(opts.kv_events_base_port + 2 * i)]
+        if opts.kv_cache_bytes:
+            args += ["--kv-cache-bytes", opts.kv_cache_bytes]
+        specs.append(ProcSpec(f"engine-{i}", tuple(args + list(opts.serve_args)), f"http://{opts.host}:{port}", env))
+    router = ["router", "--engines", ",".join(s.url for s in specs), "--policy", opts.policy,
+              "--model", opts.model, "--host", opts.host, "--port", str(opts.port)]
+    specs.append(ProcSpec("router", tuple(router), f"http://{opts.host}:{opts.port}"))
+    return specs
+
+
+def kvmesh_argv() -> list[str]:
+    """How to run this same installation's CLI in a child (the interpreter, never PATH)."""
+    return [sys.executable, "-m", "kvmesh"]
+
+
+# ---- supervisor ---------------------------------------------------------------------------------
+
+@dataclass
+class Child:
+    spec: ProcSpec
+    log_path: Path
+    proc: subprocess.Popen
+    ready: bool = False
+
+    def tail(self, n: int = _LOG_TAIL_LINES) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+def _start(spec: ProcSpec, run_dir: Path) -> Child:
+    log_path = run_dir / f"{spec.name}.log"
+    log = open(log_path, "wb")
+    env = {**os.environ, **spec.env}
+    # cwd is the run directory: `python -m` puts the cwd on sys.path, and a checkout's root
+    # would shadow the standard library's `operator` module.
+    proc = subprocess.Popen([*kvmesh_argv(), *spec.args], cwd=run_dir, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    log.close()
+    return Child(spec, log_path, proc)
+
+
+def _is_ready(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def status_line(child: Child) -> str:
+    """One line for `child`: state plus, for an engine, load read from its /metrics."""
+    import httpx
+
+    from kvmesh.engine.server.metrics_util import parse_samples, sample_value
+
+    state = "ready" if child.ready else "starting"
+    line = f"{child.spec.name:<9} pid {child.proc.pid:<7} {state:<8} {child.spec.url}"
+    if not child.ready or not child.spec.name.startswith("engine"):
+        return line
+    try:
+        samples = parse_samples(httpx.get(child.spec.url + "/metrics", timeout=2).text)
+    except (httpx.HTTPError, ValueError):
+        return line + "  (metrics unavailable)"
+    parts = []
+    for label, name, scale in (("running", "kvmesh_num_requests_running", 1),
+                               ("waiting", "kvmesh_num_requests_waiting", 1),
+                               ("kv%", "kvmesh_kv_cache_usage_ratio", 100),
+                               ("gen_tokens", "kvmesh_generation_tokens_total", 1)):
+        try:
+            v = sample_value(samples, name)
+        except ValueError:
+            v = None
+        parts.append(f"{label}={'-' if v is None else f'{v * scale:.0f}'}")
+    return line + "  " + " ".join(parts)
+
+
+class Supervisor:
+    def __init__(self, specs: list[ProcSpec], run_dir: Path, ready_timeout_s: float, grace_s: float = 30.0,
+                 out=sys.stdout) -> None:
+        self.specs = specs
+        self.run_dir = run_dir
+        self.ready_timeout_s = ready_timeout_s
+        self.grace_s = grace_s
+        self.out = out
+        self.children: list[Child] = []
+        self._stop_signal: int | None = None
+
+    def _say(self, msg: str) -> None:
+        print(f"[kvmesh up] {msg}", file=self.out, flush=True)
+
+    def _on_signal(self, sig: int, _frame: object) -> None:
+        self._stop_signal = sig
+
+    def _check_alive(self) -> None:
+        for c in self.children:
+            rc = c.proc.poll()
+            if rc is not None:
+                raise UpError(f"{c.spec.name} exited with code {rc}; last lines of {c.log_path}:\n{c.tail()}")
+
+    def _wait_ready(self, child: Child) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not _is_ready(child.spec.url):
+            self._check_alive()
+            if self._stop_signal is not None:
+                return
+            if time.monotonic() > deadline:
+                raise UpError(f"{child.spec.name} not ready after {self.ready_timeout_s:.0f}s; last lines of "
+                              f"{child.log_path}:\n{child.tail()}")
+            time.sleep(0.25)
+        child.ready = True
+        self._say(status_line(child))
+
+    def _launch(self, spec: ProcSpec) -> Child:
+        self._say(f"starting {spec.name}: kvmesh {' '.join(spec.args)}  (log: {self.run_dir}/{spec.name}.log)")
+        child = _start(spec, self.run_dir)
+        self.children.append(child)
+        return child
+
+    def stop(self) -> None:
+        """Router first (stops new work), then engines; SIGKILL whatever outlives the grace period."""
+        for c in reversed(self.children):
+            if c.proc.poll() is None:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + self.grace_s
+            while c.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if c.proc.poll() is None:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                c.proc.wait(10)
+
+    def run(self, status_interval_s: float) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            engines, router = self.specs[:-1], self.specs[-1]
+            # Engines load their models in parallel; the router starts once they all serve.
+            for spec in engines:
+                self._launch(spec)
+            for child in list(self.children):
+                if self._stop_signal is None:
+                    self._wait_ready(child)
+            if self._stop_signal is None:
+                self._wait_ready(self._launch(router))
+            if self._stop_signal is None:
+                self._say(f"ready: OpenAI API at {self.specs[-1].url}/v1 (Ctrl-C stops everything)")
+            next_status = time.monotonic() + status_interval_s
+            while self._stop_signal is None:
+                self._check_alive()
+                if status_interval_s > 0 and time.monotonic() >= next_status:
+                    for c in self.children:
+                        self._say(status_line(c))
+                    next_status = time.monotonic() + status_interval_s
+                time.sleep(0.2)
+            self._say(f"{signal.Signals(self._stop_signal).name}: stopping")
+            return 0
+        except UpError as e:
+            self._say(f"error: {e}")
+            return 1
+        finally:
+            self.stop()
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def add_up_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "up", help="run the local platform: a router in front of N engines on the default model",
+        description="Start a cache-aware router and N colocated engines as local processes, print the "
+                    "OpenAI API URL and a status line per process; Ctrl-C or SIGTERM stops them all.")
+    p.add_argument("--engines", type=int, default=2, help="colocated engines (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="address every process binds (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="the router's port (default: %(default)s)")
+    p.add_argument("--engine-base-port", type=int, default=8100,
+                   help="engine i listens on this port + i (default: %(default)s)")
+    p.add_argument("--kv-events-base-port", type=int, default=5557,
+                   help="engine i publishes KV events on this port + 2i, replay on + 2i + 1 (default: %(default)s)")
+    p.add_argument("--model", default="default", help="model for every engine (default: the embedded model)")
+    p.add_argument("--policy", default="cache-aware",
+                   choices=("cache-aware", "session", "least-load", "round-robin"),
+                   help="router policy (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per engine (default: cores / engines)")
+    p.add_argument("--kv-cache-bytes", default=None, metavar="SIZE", help="KV budget per engine, e.g. 512MiB")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for every `kvmesh serve` (repeatable, e.g. --serve-arg=--dtype=float32)")
+    p.add_argument("--status-interval", type=float, default=30.0, metavar="SECONDS",
+                   help="print a status line per process this often (0: only on changes)")
+    p.add_argument("--ready-timeout", type=float, default=900.0, metavar="SECONDS",
+                   help="how long a process may take to become ready")
+    p.add_argument("--log-dir", default=None, help="where each process logs (default: a new temporary directory)")
+    p.set_defaults(func=handler)
+
+
+def handler(args: argparse.Namespace) -> int:
+    opts = UpOptions(engines=args.engines, host=args.host, port=args.port, engine_base_port=args.engine_base_port,
+                     kv_events_base_port=args.kv_events_base_port, model=args.model, policy=args.policy,
+                     threads=args.threads, kv_cache_bytes=args.kv_cache_bytes, serve_args=tuple(args.serve_arg))
+    try:
+        specs = plan(opts, os.cpu_count() or 1)
+    except UpError as e:
+        print(f"kvmesh up: {e}", file=sys.stderr)
+        return 2
+    if args.model == "default":
+        # Fetch once here, with one progress display, instead of N engines racing for the lock.
+        from kvmesh.engine.model.fetch import ModelFetchError, ensure_default_model
+
+        try:
+            ensure_default_model()
+        except ModelFetchError as e:
+            print(f"kvmesh up: {e}", file=sys.stderr)
+            return 1
+    run_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvmesh-up-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Supervisor(specs, run_dir, args.ready_timeout).run(args.status_interval)

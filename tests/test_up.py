@@ -1,0 +1,72 @@
+"""`kvmesh up`: the plan as a pure function, and the supervisor against real `kvmesh` children.
+
+Real: the `kvmesh` argument parser the plan's command lines must satisfy, the child processes
+(`python -m kvmesh ...`), their logs and exit codes. The full platform on the real model runs in
+tests/router/test_up_platform.py (slow).
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh.cli import build_parser
+from kvmesh.up import ProcSpec, Supervisor, UpError, UpOptions, plan, threads_per_engine
+
+
+def test_threads_split_the_cores_evenly_and_never_drop_to_zero() -> None:
+    assert threads_per_engine(2, 2, None) == 1
+    assert threads_per_engine(2, 16, None) == 8
+    assert threads_per_engine(4, 2, None) == 1
+    assert threads_per_engine(2, 2, 3) == 3
+    with pytest.raises(UpError):
+        threads_per_engine(2, 2, 0)
+
+
+def test_plan_starts_engines_then_a_router_that_fronts_them() -> None:
+    specs = plan(UpOptions(engines=3, port=9000, engine_base_port=9100, kv_events_base_port=6000), cores=6)
+    assert [s.name for s in specs] == ["engine-0", "engine-1", "engine-2", "router"]
+    assert [s.url for s in specs] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101",
+                                      "http://127.0.0.1:9102", "http://127.0.0.1:9000"]
+    router = specs[-1].args
+    assert router[router.index("--engines") + 1] == ",".join(s.url for s in specs[:-1])
+    kv_ports = [s.args[s.args.index("--kv-events-port") + 1] for s in specs[:-1]]
+    assert kv_ports == ["6000", "6002", "6004"]  # each engine also uses port + 1 for replay
+    assert all(s.args[s.args.index("--num-threads") + 1] == "2" for s in specs[:-1])
+    assert all(s.env["OMP_NUM_THREADS"] == "2" for s in specs[:-1])
+
+
+@pytest.mark.parametrize("opts", [
+    UpOptions(engines=0),
+    UpOptions(port=8100),  # collides with engine-0
+    UpOptions(engines=2, kv_events_base_port=8100),  # collides with engine-0's HTTP port
+    UpOptions(port=70000),
+])
+def test_impossible_plans_are_refused_with_a_reason(opts: UpOptions) -> None:
+    with pytest.raises(UpError, match="must be"):
+        plan(opts, cores=2)
+
+
+def test_every_planned_command_line_parses_with_the_real_cli() -> None:
+    parser = build_parser()
+    for spec in plan(UpOptions(engines=2, kv_cache_bytes="256MiB", serve_args=("--dtype", "float32")), cores=2):
+        args = parser.parse_args(list(spec.args))
+        assert args.func is not None, spec
+
+
+def test_a_child_that_dies_stops_up_with_its_last_log_lines(tmp_path: Path) -> None:
+    """A real `kvmesh serve` that cannot load its model exits; `up` reports it and exits 1."""
+    missing = tmp_path / "missing.gguf"
+    spec = ProcSpec("engine-0", ("serve", "--model-path", str(missing), "--port", "1"), "http://127.0.0.1:1")
+    out = io.StringIO()
+    rc = Supervisor([spec, ProcSpec("router", ("--help",), "http://127.0.0.1:2")], tmp_path,
+                    ready_timeout_s=120, grace_s=5, out=out).run(status_interval_s=0)
+    text = out.getvalue()
+    assert rc == 1, text
+    assert "engine-0 exited with code 2" in text
+    assert "does not exist" in text  # the child's own error line, from its log
+    assert "starting router" not in text  # the router waits for its engines
+    assert sys.executable  # children ran under this interpreter (kvmesh_argv)
