@@ -162,6 +162,7 @@ class Supervisor:
                  out=sys.stdout) -> None:
         self.specs = specs
         self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
         self.ready_timeout_s = ready_timeout_s
         self.grace_s = grace_s
         self.out = out
@@ -217,18 +218,35 @@ class Supervisor:
                     pass
                 c.proc.wait(10)
 
+    def start(self) -> None:
+        """Start every process and wait until each is ready (engines load their models in
+        parallel; the router starts once they all serve). Raises UpError if one dies or times out;
+        returns early, with fewer children, if a stop signal arrives meanwhile."""
+        engines, router = self.specs[:-1], self.specs[-1]
+        for spec in engines:
+            self._launch(spec)
+        for child in list(self.children):
+            if self._stop_signal is None:
+                self._wait_ready(child)
+        if self._stop_signal is None:
+            self._wait_ready(self._launch(router))
+
+    def __enter__(self) -> Supervisor:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def run(self, status_interval_s: float) -> int:
+        """The foreground loop of `kvmesh up`: start, report, stop on a signal or a death."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            engines, router = self.specs[:-1], self.specs[-1]
-            # Engines load their models in parallel; the router starts once they all serve.
-            for spec in engines:
-                self._launch(spec)
-            for child in list(self.children):
-                if self._stop_signal is None:
-                    self._wait_ready(child)
-            if self._stop_signal is None:
-                self._wait_ready(self._launch(router))
+            self.start()
             if self._stop_signal is None:
                 self._say(f"ready: OpenAI API at {self.specs[-1].url}/v1 (Ctrl-C stops everything)")
             next_status = time.monotonic() + status_interval_s
@@ -297,5 +315,4 @@ def handler(args: argparse.Namespace) -> int:
             print(f"kvmesh up: {e}", file=sys.stderr)
             return 1
     run_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvmesh-up-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
     return Supervisor(specs, run_dir, args.ready_timeout).run(args.status_interval)

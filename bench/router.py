@@ -1,0 +1,248 @@
+"""Routing policies side by side on a multi-turn chat trace: what cache-aware routing is for.
+
+One invocation replays the same seeded, open-loop trace against:
+
+* `single`: one engine with the whole machine (all cores, twice the per-engine KV budget),
+  addressed directly: the fleet hit rate a perfectly shared cache would reach;
+* for each policy (cache-aware, session, least-load, round-robin): `kvmesh up` with N engines
+  (cores split evenly, the per-engine KV budget) behind `kvmesh router --policy P`.
+
+Trace: C conversations of T turns; each opens on one of S long system prompts, and every turn
+appends a user message and the model's reply, so the history grows. Conversations start as a
+Poisson process; each next turn is sent a think time (exponential) after the previous reply
+completes. Replies are greedy with `ignore_eos` and a fixed max_tokens, so every policy sees
+identical prompts. Reported per system: TTFT/TPOT p50/p90/p99, output tok/s, the fleet prefix
+hit rate (engines' `kvmesh_prefix_cache_hits_total / queries_total` over the run) and the
+router's added latency at low load (tiny non-streaming requests, alternately direct to an
+engine and through the router).
+
+  .venv/bin/python bench/router.py --json bench/results/router.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvmesh.engine.server.metrics_util import parse_samples, sample_value
+from kvmesh.up import Supervisor, UpOptions, plan
+
+# Run as a script, bench/ is on sys.path.
+from chat_client import RequestResult, send_chat  # noqa: E402
+from serving import load_tokenizer, make_prompt, percentile  # noqa: E402
+
+POLICIES = ("cache-aware", "session", "least-load", "round-robin")
+
+
+@dataclass
+class Conversation:
+    cid: int
+    start_s: float
+    system: str
+    users: list[str]
+    think_s: list[float]
+
+
+def make_trace(tokenizer, args: argparse.Namespace) -> list[Conversation]:
+    rng = random.Random(args.seed)
+    systems = [make_prompt(tokenizer, rng, rng.randint(args.system_tokens_min, args.system_tokens_max))
+               for _ in range(args.system_prompts)]
+    t, out = 0.0, []
+    for cid in range(args.conversations):
+        t += rng.expovariate(args.rate)
+        users = [make_prompt(tokenizer, rng, rng.randint(args.user_tokens_min, args.user_tokens_max))
+                 for _ in range(args.turns)]
+        out.append(Conversation(cid, t, rng.choice(systems), users,
+                                [rng.expovariate(1.0 / args.think_s) for _ in range(args.turns)]))
+    return out
+
+
+async def run_conversation(client: httpx.AsyncClient, url: str, model: str, conv: Conversation, t0: float,
+                           max_tokens: int, results: list[RequestResult]) -> None:
+    await asyncio.sleep(max(0.0, t0 + conv.start_s - time.perf_counter()))
+    messages = [{"role": "system", "content": conv.system}]
+    for turn, user in enumerate(conv.users):
+        messages.append({"role": "user", "content": user})
+        res = await send_chat(client, url, model, "", max_tokens, messages=list(messages),
+                              headers={"x-session-id": f"conv-{conv.cid}"})
+        results.append(res)
+        if not res.ok:
+            return  # the rest of this conversation depends on the reply
+        messages.append({"role": "assistant", "content": res.text})
+        await asyncio.sleep(conv.think_s[turn])
+
+
+def prefix_counters(urls: list[str]) -> tuple[float, float]:
+    q = h = 0.0
+    for u in urls:
+        s = parse_samples(httpx.get(u + "/metrics", timeout=30).text)
+        q += sample_value(s, "kvmesh_prefix_cache_queries_total") or 0.0
+        h += sample_value(s, "kvmesh_prefix_cache_hits_total") or 0.0
+    return q, h
+
+
+def _pcts(values: list[float]) -> dict[str, float]:
+    vals = [v for v in values if v == v]
+    return {f"p{q}": percentile(vals, q) for q in (50, 90, 99)} if vals else {}
+
+
+@dataclass
+class SystemResult:
+    name: str
+    requests: int
+    failed: int
+    duration_s: float
+    output_tok_s: float
+    ttft_s: dict[str, float]
+    tpot_s: dict[str, float]
+    fleet_hit_rate: float
+    prompt_tokens: int
+    cached_tokens_reported: int
+    errors: list[str] = field(default_factory=list)
+
+
+async def replay(url: str, engine_urls: list[str], model: str, trace: list[Conversation], max_tokens: int,
+                 name: str) -> SystemResult:
+    q0, h0 = prefix_counters(engine_urls)
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=len(trace) + 8, max_keepalive_connections=len(trace) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(run_conversation(client, url, model, c, t0, max_tokens, results) for c in trace))
+        duration = time.perf_counter() - t0
+    q1, h1 = prefix_counters(engine_urls)
+    ok = [r for r in results if r.ok]
+    return SystemResult(
+        name=name, requests=len(results), failed=len(results) - len(ok), duration_s=duration,
+        output_tok_s=sum(r.output_tokens for r in ok) / duration,
+        ttft_s=_pcts([r.ttft for r in ok]), tpot_s=_pcts([r.tpot for r in ok]),
+        fleet_hit_rate=(h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
+        prompt_tokens=sum(r.prompt_tokens for r in ok), cached_tokens_reported=sum(r.cached_tokens for r in ok),
+        errors=sorted({r.error for r in results if not r.ok})[:5])
+
+
+async def added_latency(router_url: str, engine_url: str, model: str, n: int) -> dict[str, dict[str, float]]:
+    """Latency of tiny non-streaming requests, alternately direct and through the router."""
+    body = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    lat: dict[str, list[float]] = {"direct": [], "router": []}
+    async with httpx.AsyncClient(timeout=60) as client:
+        for base in (engine_url, router_url):  # warm both connections
+            (await client.post(base + "/v1/completions", json=body)).raise_for_status()
+        for _ in range(n):
+            for key, base in (("direct", engine_url), ("router", router_url)):
+                t = time.perf_counter()
+                r = await client.post(base + "/v1/completions", json=body)
+                lat[key].append(time.perf_counter() - t)
+                r.raise_for_status()
+    out = {k: _pcts(v) for k, v in lat.items()}
+    out["added"] = {q: out["router"][q] - out["direct"][q] for q in ("p50", "p90", "p99")}
+    return out
+
+
+def router_decision_latency(router_url: str) -> dict[str, float]:
+    s = parse_samples(httpx.get(router_url + "/metrics", timeout=30).text)
+    total = count = 0.0
+    for (name, _labels), v in s.items():
+        if name == "kvmesh_router_decision_latency_seconds_sum":
+            total += v
+        elif name == "kvmesh_router_decision_latency_seconds_count":
+            count += v
+    return {"mean_s": total / count if count else float("nan"), "count": count}
+
+
+def _row(r: SystemResult, single: SystemResult | None) -> str:
+    rel = f" ({r.fleet_hit_rate / single.fleet_hit_rate:.0%} of single)" if single and single.fleet_hit_rate else ""
+    t, p = r.ttft_s, r.tpot_s
+    return (f"| {r.name} | {t.get('p50', 0):.2f} / {t.get('p90', 0):.2f} / {t.get('p99', 0):.2f} | "
+            f"{p.get('p50', 0) * 1e3:.0f} / {p.get('p90', 0) * 1e3:.0f} / {p.get('p99', 0) * 1e3:.0f} | "
+            f"{r.output_tok_s:.1f} | {r.fleet_hit_rate:.1%}{rel} | {r.requests - r.failed}/{r.requests} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--no-single", action="store_true", help="skip the single-engine reference")
+    ap.add_argument("--conversations", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--system-prompts", type=int, default=4)
+    ap.add_argument("--system-tokens-min", type=int, default=1024)
+    ap.add_argument("--system-tokens-max", type=int, default=2048)
+    ap.add_argument("--user-tokens-min", type=int, default=24)
+    ap.add_argument("--user-tokens-max", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--rate", type=float, default=0.4, help="conversation starts per second")
+    ap.add_argument("--think-s", type=float, default=2.0, help="mean pause between a reply and the next turn")
+    ap.add_argument("--kv-cache-bytes", default="192MiB", help="KV budget of each of the N engines")
+    ap.add_argument("--latency-requests", type=int, default=200)
+    ap.add_argument("--base-port", type=int, default=18000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    tokenizer = load_tokenizer(args.model)
+    trace = make_trace(tokenizer, args)
+    served = "default" if args.model == "default" else args.model
+    cores = os.cpu_count() or 1
+    results: list[SystemResult] = []
+    latency: dict = {}
+    decision: dict = {}
+    single: SystemResult | None = None
+    log_root = Path(tempfile.mkdtemp(prefix="kvmesh-bench-router-"))
+    from kvmesh.engine.server.cli import parse_size
+
+    if not args.no_single:
+        big = str(parse_size(args.kv_cache_bytes) * args.engines)
+        specs = plan(UpOptions(engines=1, port=args.base_port, engine_base_port=args.base_port + 100,
+                               kv_events_base_port=args.base_port + 200, model=args.model, threads=cores,
+                               kv_cache_bytes=big), cores)
+        with Supervisor(specs, log_root / "single", ready_timeout_s=900, out=sys.stderr):
+            single = asyncio.run(replay(specs[0].url, [specs[0].url], served, trace, args.max_tokens,
+                                        f"single engine ({cores} threads, {big} B KV), direct"))
+            results.append(single)
+            latency = asyncio.run(added_latency(specs[-1].url, specs[0].url, served, args.latency_requests))
+            decision = router_decision_latency(specs[-1].url)
+    for policy in args.policies.split(","):
+        specs = plan(UpOptions(engines=args.engines, port=args.base_port, engine_base_port=args.base_port + 100,
+                               kv_events_base_port=args.base_port + 200, model=args.model, policy=policy,
+                               kv_cache_bytes=args.kv_cache_bytes), cores)
+        with Supervisor(specs, log_root / policy, ready_timeout_s=900, out=sys.stderr):
+            engine_urls = [s.url for s in specs[:-1]]
+            results.append(asyncio.run(replay(specs[-1].url, engine_urls, served, trace, args.max_tokens,
+                                              f"router {policy}")))
+        print(_row(results[-1], single), file=sys.stderr, flush=True)
+
+    header = ["| system | TTFT p50/p90/p99 (s) | TPOT p50/p90/p99 (ms) | out tok/s | fleet prefix hit rate | ok |",
+              "|---|---|---|---|---|---|"]
+    print("\n".join(header + [_row(r, single) for r in results]))
+    by = {r.name: r for r in results}
+    ca, rr = by.get("router cache-aware"), by.get("router round-robin")
+    if ca and rr and ca.ttft_s and rr.ttft_s:
+        print(f"cache-aware vs round-robin TTFT p90: {rr.ttft_s['p90'] / ca.ttft_s['p90']:.2f}x lower")
+    if latency:
+        print(f"router added latency (tiny requests, {args.latency_requests} each way): "
+              f"p50 {latency['added']['p50'] * 1e3:.2f} ms, p99 {latency['added']['p99'] * 1e3:.2f} ms; "
+              f"router decision mean {decision.get('mean_s', float('nan')) * 1e3:.3f} ms")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "args": vars(args), "machine": {"cpus": cores, "python": platform.python_version()},
+            "results": [asdict(r) for r in results], "added_latency_s": latency,
+            "router_decision": decision}, indent=2))
+    return 0 if all(r.failed == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
