@@ -105,12 +105,7 @@ class Serving:
         model = self._model(req.model)
         params.check_completion_unsupported(req)
         tok = self._engine.tokenizer
-        prompts: list[list[int]] = []
-        for i, p in enumerate(req.prompts()):
-            ids = tok.encode(p) if isinstance(p, str) else list(p)
-            if not ids:
-                raise errors.invalid_request(f"prompt {i} is empty; send at least one token", "prompt")
-            prompts.append(ids)
+        prompts = params.completion_prompt_ids(tok, req)
         if len(prompts) * req.n > params.MAX_CHOICES:
             raise errors.invalid_request(
                 f"{len(prompts)} prompts x n={req.n} is more than {params.MAX_CHOICES} sequences per request", "n")
@@ -122,15 +117,9 @@ class Serving:
                         req.stream, req.include_usage, req.logprobs, req.priority, echo)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
-        from kvmesh.engine.model.tokenizer import ChatTemplateError
-
         model = self._model(req.model)
         params.check_chat_unsupported(req)
-        messages = params.chat_messages(req.messages)
-        try:
-            ids = list(self._engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        except ChatTemplateError as e:
-            raise errors.invalid_request(str(e), "messages") from None
+        ids = params.chat_prompt_ids(self._engine.tokenizer, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         lp = params.chat_logprobs(req)
         choices = self._choices(req, [ids], None, lp, max_tokens)

@@ -9,10 +9,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvmesh.engine.sampling import InvalidSamplingParams, SamplingParams
 from kvmesh.engine.server import errors
 from kvmesh.engine.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
+
+if TYPE_CHECKING:
+    from kvmesh.engine.model.tokenizer import Tokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_CHOICES = 256  # engine sequences one request may start (prompts x n)
@@ -140,6 +144,35 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
             text = "".join(parts)
         out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
     return out
+
+
+def completion_prompt_ids(tokenizer: Tokenizer, req: CompletionRequest) -> list[list[int]]:
+    """Token ids of each prompt of a completions request, exactly as the engine runs them.
+
+    The one place completions prompts are tokenized: the server and the router both call it, so
+    the router hashes the very tokens the engine will cache. Raises a 400 for an empty prompt.
+    """
+    prompts: list[list[int]] = []
+    for i, p in enumerate(req.prompts()):
+        ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise errors.invalid_request(f"prompt {i} is empty; send at least one token", "prompt")
+        prompts.append(ids)
+    return prompts
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:
+    """Token ids of a chat request's prompt (chat template with the generation prompt appended).
+
+    Shared by the server and the router like ``completion_prompt_ids``; raises a 400 when the
+    messages cannot be rendered with the model's template.
+    """
+    from kvmesh.engine.model.tokenizer import ChatTemplateError
+
+    try:
+        return list(tokenizer.apply_chat_template(chat_messages(req.messages), add_generation_prompt=True))
+    except ChatTemplateError as e:
+        raise errors.invalid_request(str(e), "messages") from None
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
