@@ -93,6 +93,8 @@ class KVEventLog:
     ``publish`` is the ``on_event`` callback for block pools (engine thread); ``since`` and
     ``snapshot`` are for readers (server thread). All three hold one lock, so a snapshot's
     ``seq`` matches its contents exactly. The ring keeps the most recent ``capacity`` records.
+    ``wait_since`` lets a reader thread (the wire publisher) sleep until new records exist
+    instead of polling; ``publish`` only notifies it, so the engine thread never waits on readers.
     """
 
     def __init__(self, engine_id: str, capacity: int = 10_000, clock: Callable[[], float] = time.time) -> None:
@@ -102,6 +104,7 @@ class KVEventLog:
         self.capacity = capacity
         self._clock = clock
         self._lock = threading.Lock()
+        self._new_records = threading.Condition(self._lock)
         self._ring: deque[KVEventRecord] = deque(maxlen=capacity)
         self._seq = 0
         self._cached: dict[str, set[BlockHash]] = {t: set() for t in TIERS}
@@ -121,6 +124,7 @@ class KVEventLog:
                 cached.clear()
             else:  # pragma: no cover - guarded by the type annotation
                 raise TypeError(f"not a KV event: {event!r}")
+            self._new_records.notify_all()
             return rec
 
     __call__ = publish
@@ -149,6 +153,27 @@ class KVEventLog:
                 return None
             start = seq + 1 - oldest
             return list(itertools.islice(self._ring, start, None))
+
+    @property
+    def oldest_seq(self) -> int:
+        """Sequence number of the oldest record still in the ring (``latest_seq + 1`` when empty)."""
+        with self._lock:
+            return self._ring[0].seq if self._ring else self._seq + 1
+
+    def wait_since(self, seq: int, timeout: float | None = None) -> list[KVEventRecord] | None:
+        """Like ``since(seq)``, but first waits up to ``timeout`` seconds for a record after ``seq``.
+
+        Returns ``[]`` when nothing new arrived in time (or ``wake()`` was called).
+        """
+        with self._lock:
+            if self._seq <= seq:
+                self._new_records.wait(timeout)
+        return self.since(seq)
+
+    def wake(self) -> None:
+        """Wake every thread blocked in ``wait_since`` (used to stop a reader promptly)."""
+        with self._lock:
+            self._new_records.notify_all()
 
     def snapshot(self) -> KVSnapshot:
         with self._lock:

@@ -1,0 +1,118 @@
+"""Shared pieces of the KV event tests: free ports, a snapshot HTTP server, random event streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from kvmesh.engine.kv.event_wire import snapshot_to_json
+from kvmesh.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventLog
+
+
+def free_port_pair() -> int:
+    """A port P such that P and P + 1 are both free on 127.0.0.1 (the publisher needs both)."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+class SnapshotServer:
+    """Serves ``GET /kv/snapshot`` for whatever log ``self.log`` names (swap it to fake a restart)."""
+
+    def __init__(self, log: KVEventLog) -> None:
+        self.log = log
+        self.requests = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                outer.requests += 1
+                if self.path != "/kv/snapshot":
+                    self.send_error(404)
+                    return
+                body = json.dumps(snapshot_to_json(outer.log.snapshot())).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}/kv/snapshot"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> SnapshotServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def _h(rng: random.Random) -> bytes:
+    return rng.randbytes(32)
+
+
+class RandomCache:
+    """Random but self-consistent events: stores new chains, removes cached blocks, rarely clears."""
+
+    def __init__(self, seed: int, block_size: int = 4) -> None:
+        self.rng = random.Random(seed)
+        self.block_size = block_size
+        self.cached: list[bytes] = []
+
+    def next_event(self) -> KVEvent:
+        rng = self.rng
+        r = rng.random()
+        if r < 0.01:
+            self.cached.clear()
+            return AllBlocksCleared()
+        if r < 0.45 and self.cached:
+            gone = rng.sample(self.cached, rng.randint(1, min(4, len(self.cached))))
+            self.cached = [h for h in self.cached if h not in gone]
+            return BlockRemoved(gone)
+        new = [_h(rng) for _ in range(rng.randint(1, 4))]
+        parent = rng.choice(self.cached) if self.cached and rng.random() < 0.5 else None
+        self.cached.extend(new)
+        tokens = [rng.randrange(1000) for _ in range(len(new) * self.block_size)]
+        return BlockStored(new, parent, tokens, self.block_size)
+
+
+def publish_random(log: KVEventLog, n: int, seed: int) -> None:
+    cache = RandomCache(seed)
+    for _ in range(n):
+        log.publish(cache.next_event())
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        await asyncio.sleep(0.01)
+
+
+def scratch_env() -> dict[str, str]:
+    """Environment for child Python processes (run from a scratch dir so `operator/` cannot shadow)."""
+    return dict(os.environ)

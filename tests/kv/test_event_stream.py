@@ -1,0 +1,262 @@
+"""Publisher and subscriber in one process over loopback ZeroMQ: ordering, gaps, replay, resync."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq
+
+from kvmesh.engine.kv.event_publisher import KVEventPublisher, KVEventsBindError
+from kvmesh.engine.kv.event_subscriber import KVCacheMirror, KVEventSubscriber, endpoints_from_info
+from kvmesh.engine.kv.event_wire import REPLAY_END, decode_payload, seq_bytes, seq_from_bytes, topic_for
+from kvmesh.engine.kv.events import BlockStored, KVEventLog
+
+from .helpers import SnapshotServer, free_port_pair, publish_random, until
+
+
+@contextlib.asynccontextmanager
+async def following(pub: KVEventPublisher, snap: SnapshotServer, **kwargs) -> AsyncIterator[
+        tuple[KVEventSubscriber, KVCacheMirror]]:
+    mirror = KVCacheMirror()
+    sub = KVEventSubscriber(pub.endpoint, pub.replay_endpoint, snap.url, mirror.on_event, mirror.reset,
+                            replay_timeout_s=1.0, retry_s=0.05, **kwargs)
+    task = asyncio.ensure_future(sub.run())
+    try:
+        await asyncio.wait_for(sub.synced.wait(), 10)
+        yield sub, mirror
+    finally:
+        await sub.stop()
+        await task
+
+
+async def converged(log: KVEventLog, sub: KVEventSubscriber, mirror: KVCacheMirror) -> None:
+    await until(lambda: sub.last_seq == log.latest_seq, what=f"seq {log.latest_seq}")
+    assert mirror.seq == log.latest_seq
+    assert mirror.same_contents(log.snapshot())
+
+
+@pytest.fixture
+def stream():
+    log = KVEventLog("engine-a", capacity=10_000)
+    pub = KVEventPublisher("127.0.0.1", free_port_pair())
+    with SnapshotServer(log) as snap:
+        pub.start(log)
+        try:
+            yield log, pub, snap
+        finally:
+            pub.close()
+
+
+def test_subscriber_follows_the_stream(stream):
+    log, pub, snap = stream
+
+    async def main():
+        async with following(pub, snap) as (sub, mirror):
+            publish_random(log, 600, seed=1)
+            await converged(log, sub, mirror)
+            assert sub.stats.resyncs == 1 and sub.stats.gaps == 0
+            assert sub.engine_id == "engine-a"
+
+    asyncio.run(main())
+
+
+def test_late_joiner_converges(stream):
+    log, pub, snap = stream
+    publish_random(log, 400, seed=2)
+
+    async def main():
+        async with following(pub, snap) as (sub, mirror):
+            assert mirror.seq == 400  # the snapshot carried everything so far
+            publish_random(log, 400, seed=3)
+            await converged(log, sub, mirror)
+
+    asyncio.run(main())
+
+
+def test_dropped_messages_are_replayed(stream):
+    log, pub, snap = stream
+
+    async def main():
+        async with following(pub, snap, drop=lambda seq: seq % 7 == 0) as (sub, mirror):
+            publish_random(log, 500, seed=4)
+            await until(lambda: sub.last_seq >= log.latest_seq - 1)  # the last one may wait for a successor
+            log.publish(BlockStored([b"\x01" * 32], None, [1, 2, 3, 4], 4))
+            await converged(log, sub, mirror)
+            assert sub.stats.dropped > 0 and sub.stats.replays > 0 and sub.stats.replayed > 0
+            assert sub.stats.resyncs == 1  # the replay buffer covered every gap
+
+    asyncio.run(main())
+
+
+def test_gap_older_than_the_ring_resyncs_from_the_snapshot():
+    log = KVEventLog("engine-b", capacity=20)
+    pub = KVEventPublisher("127.0.0.1", free_port_pair())
+    with SnapshotServer(log) as snap:
+        pub.start(log)
+
+        async def main():
+            async with following(pub, snap, drop=lambda seq: 30 <= seq <= 120) as (sub, mirror):
+                publish_random(log, 200, seed=5)
+                await converged(log, sub, mirror)
+                assert sub.stats.gaps >= 1 and sub.stats.resyncs >= 2
+
+        try:
+            asyncio.run(main())
+        finally:
+            pub.close()
+
+
+def test_publisher_restart_resyncs():
+    port = free_port_pair()
+    log1 = KVEventLog("engine-1")
+    with SnapshotServer(log1) as snap:
+        pub1 = KVEventPublisher("127.0.0.1", port)
+        pub1.start(log1)
+
+        async def main():
+            nonlocal pub1
+            async with following(pub, snap) as (sub, mirror):
+                publish_random(log1, 300, seed=6)
+                await converged(log1, sub, mirror)
+                pub1.close()
+                log2 = KVEventLog("engine-2")  # a new engine instance: seq restarts at 1
+                snap.log = log2
+                pub2 = KVEventPublisher("127.0.0.1", port)
+                pub2.start(log2)
+                try:
+                    for _ in range(50):  # until the SUB socket has reconnected
+                        publish_random(log2, 5, seed=len(log2.snapshot().hashes["gpu"]))
+                        if sub.engine_id == "engine-2":
+                            break
+                        await asyncio.sleep(0.1)
+                    await converged(log2, sub, mirror)
+                    assert sub.stats.restarts >= 1 and mirror.engine_id == "engine-2"
+                finally:
+                    pub2.close()
+
+        pub = pub1
+        asyncio.run(main())
+
+
+def test_seq_going_back_on_the_same_engine_id_resyncs(stream):
+    log, pub, snap = stream
+
+    async def main():
+        async with following(pub, snap) as (sub, mirror):
+            publish_random(log, 100, seed=7)
+            await converged(log, sub, mirror)
+            pub.close()
+            log2 = KVEventLog("engine-a")
+            snap.log = log2
+            pub2 = KVEventPublisher("127.0.0.1", pub.port)
+            pub2.start(log2)
+            try:
+                for i in range(50):
+                    publish_random(log2, 3, seed=100 + i)
+                    if sub.stats.restarts:
+                        break
+                    await asyncio.sleep(0.1)
+                publish_random(log2, 3, seed=99)
+                await converged(log2, sub, mirror)
+            finally:
+                pub2.close()
+
+    asyncio.run(main())
+
+
+# ---- the replay socket, raw ---------------------------------------------------------------------
+
+
+def _replay(endpoint: str, frames: list[bytes]) -> list[int]:
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart(frames)
+        seqs = []
+        while True:
+            empty, raw, payload = dealer.recv_multipart()
+            assert empty == b""
+            if raw == REPLAY_END:
+                assert payload == b""
+                return seqs
+            decode_payload(payload)
+            seqs.append(seq_from_bytes(raw))
+    finally:
+        dealer.close(0)
+        ctx.term()
+
+
+def test_replay_socket_answers():
+    log = KVEventLog("engine-r", capacity=10)
+    with KVEventPublisher("127.0.0.1", free_port_pair()) as pub:
+        pub.start(log)
+        publish_random(log, 25, seed=8)
+        ep = pub.replay_endpoint
+        assert _replay(ep, [seq_bytes(20)]) == [20, 21, 22, 23, 24, 25]
+        assert _replay(ep, [b"", seq_bytes(16)]) == list(range(16, 26))  # vLLM framing
+        assert _replay(ep, [seq_bytes(15)]) == []  # older than the ring: only the end marker
+        assert _replay(ep, [seq_bytes(26)]) == []  # nothing newer
+        assert _replay(ep, [seq_bytes(99)]) == []  # ahead of the log
+        assert _replay(ep, [b"bad"]) == []  # malformed: still answered, never left hanging
+        assert pub.topic == topic_for("engine-r")
+
+
+def test_pub_messages_are_topic_seq_payload():
+    log = KVEventLog("engine-p")
+    with KVEventPublisher("127.0.0.1", free_port_pair()) as pub:
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+        sub.setsockopt(zmq.RCVTIMEO, 5000)
+        sub.connect(pub.endpoint)
+        try:
+            pub.start(log)
+            import time
+            time.sleep(0.3)  # PUB drops what it sends before the subscription arrives
+            publish_random(log, 5, seed=9)
+            got = [sub.recv_multipart() for _ in range(5)]
+        finally:
+            sub.close(0)
+            ctx.term()
+        assert [seq_from_bytes(s) for _, s, _ in got] == [1, 2, 3, 4, 5]
+        assert {t for t, _, _ in got} == {b"kv-events/engine-p"}
+        assert all(len(decode_payload(p).events) == 1 for _, _, p in got)
+        assert pub.stats.sent == 5
+
+
+def test_bind_error_names_the_port_and_the_flag():
+    port = free_port_pair()
+    with KVEventPublisher("127.0.0.1", port):
+        with pytest.raises(KVEventsBindError, match=rf"127\.0\.0\.1:{port}.*--kv-events-port"):
+            KVEventPublisher("127.0.0.1", port).bind()
+    with pytest.raises(ValueError, match="1..65534"):
+        KVEventPublisher("127.0.0.1", 0)
+
+
+def test_close_is_prompt_and_idempotent():
+    import time
+
+    log = KVEventLog("engine-c")
+    pub = KVEventPublisher("127.0.0.1", free_port_pair())
+    pub.start(log)
+    t0 = time.monotonic()
+    pub.close()
+    pub.close()
+    assert time.monotonic() - t0 < 0.5
+    # The ports are free again.
+    KVEventPublisher("127.0.0.1", pub.port).bind()
+
+
+def test_endpoints_from_info():
+    info = {"kv_events": {"port": 5557, "replay_port": 5558, "topic": "kv-events/e"}}
+    ep = endpoints_from_info("http://10.1.2.3:8000/", info)
+    assert (ep.pub, ep.replay, ep.snapshot_url) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558",
+                                                    "http://10.1.2.3:8000/kv/snapshot")
+    assert endpoints_from_info("http://[::1]:8000", info).pub == "tcp://[::1]:5557"
+    assert endpoints_from_info("http://h:8000", {"kv_events": None}) is None
