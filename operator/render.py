@@ -31,6 +31,9 @@ from . import spec as s
 from .quantity import add_bytes, format_bytes, parse_quantity
 
 ENGINE_PORT = 8000
+# KV event stream of every engine (ZeroMQ PUB; replay requests on the next port). 5557 is the
+# port vLLM's KV event publisher documents, so third-party routers find it where they expect.
+KV_EVENTS_PORT = 5557
 CONFIG_DIR = "/etc/kvmesh"
 CONFIG_FILE = "kvmesh.yaml"
 MODEL_DIR = "/models"
@@ -185,6 +188,7 @@ def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[
             args += ["--model-format", spec.model.format.lower()]
         if spec.cache.replicas > 0:
             args += ["--cache-service", _endpoint(owner, "cache")]
+        args += ["--kv-events-port", str(KV_EVENTS_PORT)]
         return args + common
     if component == "cache":
         return ["kvmesh", "cache-node", "--memory", str(spec.cache.memory)] + common
@@ -255,6 +259,14 @@ def _env(owner: Owner, component: str) -> list[dict[str, Any]]:
     ]
 
 
+def _container_ports(engine: bool) -> list[dict[str, Any]]:
+    ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    if engine:
+        ports += [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+                  {"name": "kv-replay", "containerPort": KV_EVENTS_PORT + 1, "protocol": "TCP"}]
+    return ports
+
+
 def render_deployment(
     spec: s.InferenceSpec, owner: Owner, component: str, config: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -285,7 +297,7 @@ def render_deployment(
         # `command` rather than args alone: works whatever the image's ENTRYPOINT.
         "command": argv[:1],
         "args": argv[1:],
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": _container_ports(engine),
         "env": _env(owner, component),
         "resources": _resources(c),
         "volumeMounts": mounts,

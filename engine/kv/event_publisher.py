@@ -120,8 +120,8 @@ class KVEventPublisher:
                             "uses port + 1)") if e.errno == errno.EADDRINUSE else \
                         "check --kv-events-host names an address of this machine"
                     raise KVEventsBindError(
-                        e.errno, f"cannot bind the KV events {what} socket on {_endpoint(self.host, port)}: "
-                                 f"{e.strerror}; {hint}") from None
+                        f"cannot bind the KV events {what} socket on {_endpoint(self.host, port)}: "
+                        f"{e.strerror}; {hint}") from None
         except BaseException:
             pub.close(0)
             router.close(0)

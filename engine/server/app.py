@@ -6,6 +6,7 @@ one handler that answers in OpenAI's error format and counts the error.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,10 +18,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from kvmesh.engine.kv.event_publisher import KVEventPublisher
 from kvmesh.engine.server import errors
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
 from kvmesh.engine.server.errors import APIError
 from kvmesh.engine.server.generation import Serving
+from kvmesh.engine.server.kv_routes import add_kv_routes
 from kvmesh.engine.server.metrics import ServerMetrics
 from kvmesh.engine.server.metrics_util import render
 from kvmesh.engine.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -31,8 +34,11 @@ log = logging.getLogger("kvmesh.server")
 class ServerApp:
     """Everything one server process holds: the async engine, metrics, the app."""
 
-    def __init__(self, aengine: AsyncEngine, served_model_names: list[str] | None = None) -> None:
+    def __init__(self, aengine: AsyncEngine, served_model_names: list[str] | None = None,
+                 kv_publisher: KVEventPublisher | None = None) -> None:
+        """`kv_publisher`, when given, streams the engine's KV events from load to shutdown."""
         self.aengine = aengine
+        self.kv_publisher = kv_publisher
         self._names_override = list(served_model_names or [])
         self.started = int(time.time())
         self.metrics = ServerMetrics(self._names_override[0] if self._names_override else "", 0,
@@ -53,21 +59,28 @@ class ServerApp:
         names = self.served_names()
         self.serving.served_names = names
         self.metrics.set_model(names[0], self.aengine.engine.config.block_size)
+        if self.kv_publisher is not None:
+            self.kv_publisher.start(self.aengine.engine.events)
 
     def _build(self) -> FastAPI:
         @asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            if self.kv_publisher is not None:
+                self.kv_publisher.bind()  # fail before the model load, not after it
             self.aengine.add_load_callback(self._on_loaded)
             self.aengine.start()
             try:
                 yield
             finally:
                 await self.aengine.shutdown()
+                if self.kv_publisher is not None:
+                    await asyncio.to_thread(self.kv_publisher.close)
 
         app = FastAPI(title="kvmesh engine", lifespan=lifespan, docs_url=None, redoc_url=None)
         app.state.server = self
         self._add_error_handlers(app)
         self._add_routes(app)
+        add_kv_routes(app, self.aengine, self.kv_publisher)
         return app
 
     # ---- errors ------------------------------------------------------------------------

@@ -30,6 +30,17 @@ def parse_size(text: str) -> int:
     return n
 
 
+def _kv_events_port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65534:
+        raise argparse.ArgumentTypeError(f"not a KV events port: {text!r} (0 for off, or 1..65534: "
+                                         "the replay socket takes the next port)")
+    return port
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--model", default="default",
@@ -81,6 +92,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long in-flight requests may run before they are aborted")
     s.add_argument("--cache-service", default=None, metavar="HOST:PORT",
                    help="KV cache node service (accepted for the operator's pods; cache nodes come later)")
+    s.add_argument("--kv-events-port", type=_kv_events_port, default=0, metavar="PORT",
+                   help="publish KV cache events (ZeroMQ PUB, vLLM's layout) on PORT and answer replay "
+                        "requests on PORT+1; 0 turns them off (default: %(default)s; the operator uses 5557)")
+    s.add_argument("--kv-events-host", default=None, metavar="ADDR",
+                   help="address the KV event sockets bind (default: --host)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
@@ -152,6 +168,7 @@ def settings_from_args(args: argparse.Namespace):  # -> ServeSettings (imported 
         engine=engine, host=args.host, port=args.port, served_model_names=served_names,
         max_waiting_requests=args.max_waiting_requests, drain_timeout_s=args.drain_timeout,
         log_level=args.log_level, access_log=args.access_log,
+        kv_events_port=args.kv_events_port, kv_events_host=args.kv_events_host or args.host,
     )
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import uvicorn
 
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.kv.event_publisher import KVEventPublisher, KVEventsBindError
 from kvmesh.engine.server.app import ServerApp
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
 
@@ -49,6 +50,9 @@ class ServeSettings:
     log_level: str = "info"
     access_log: bool = False
     timeout_keep_alive_s: int = 5
+    kv_events_port: int = 0
+    """PUB port of the KV event stream (replay on the next port); 0: no stream."""
+    kv_events_host: str = "127.0.0.1"
 
 
 class DrainingServer(uvicorn.Server):
@@ -130,7 +134,11 @@ def build_server(settings: ServeSettings, engine_factory: Callable[[], Any] | No
             return LLMEngine(cfg)
 
     aengine = AsyncEngine(engine_factory, max_waiting=settings.max_waiting_requests)
-    app = ServerApp(aengine, settings.served_model_names).app
+    publisher = None
+    if settings.kv_events_port:
+        publisher = KVEventPublisher(settings.kv_events_host, settings.kv_events_port)
+        publisher.bind()  # a busy port fails here, before the model loads
+    app = ServerApp(aengine, settings.served_model_names, kv_publisher=publisher).app
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=settings.access_log, timeout_keep_alive=settings.timeout_keep_alive_s,
@@ -142,6 +150,10 @@ def build_server(settings: ServeSettings, engine_factory: Callable[[], Any] | No
 
 def serve(settings: ServeSettings) -> int:
     """Serve until drained; return the process exit code."""
-    server = build_server(settings)
+    try:
+        server = build_server(settings)
+    except KVEventsBindError as e:
+        log.error("%s", e)
+        return 2
     server.run()
     return server.exit_code

@@ -1,7 +1,9 @@
+import argparse
 import copy
 
 import yaml
 
+from kvmesh.engine.server.cli import add_serve_arguments
 from kvmesh.operator import render as r
 from kvmesh.operator.spec import COMPONENTS
 
@@ -193,3 +195,18 @@ def test_scaling_changes_only_the_replica_count():
     assert b["metadata"]["name"] == "llm-decode" and b["spec"]["replicas"] == 4
     a["spec"]["replicas"] = 4
     assert a == b
+
+
+def test_engines_publish_kv_events_on_exposed_ports(cr):
+    objs = r.render_all(cr)
+    for c in ("prefill", "decode"):
+        args = argv(objs, c)
+        assert args[args.index("--kv-events-port") + 1] == str(r.KV_EVENTS_PORT) == "5557"
+        ports = {p["name"]: p["containerPort"] for p in container(objs, c)["ports"]}
+        assert ports == {"http": 8000, "kv-events": 5557, "kv-replay": 5558}
+        parser = argparse.ArgumentParser()
+        add_serve_arguments(parser)
+        assert parser.parse_args(args[2:]).kv_events_port == 5557  # what `kvmesh serve` accepts
+    for c in ("cache", "router"):
+        assert "--kv-events-port" not in argv(objs, c)
+        assert [p["name"] for p in container(objs, c)["ports"]] == ["http"]

@@ -1,0 +1,65 @@
+"""``GET /kv/snapshot`` and ``GET /kv/info``: what a router needs to follow an engine's KV cache.
+
+``/kv/snapshot`` is the resync point of the KV event stream (``event_wire.snapshot_to_json``);
+``/kv/info`` tells a router how to compute the engine's block hash chain and where the event
+stream is published. Both answer 503 (OpenAI error format) until the engine has loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from kvmesh.engine.kv.block_hash import ROOT_HASH
+from kvmesh.engine.kv.event_publisher import KVEventPublisher
+from kvmesh.engine.kv.event_wire import snapshot_to_json, topic_for
+from kvmesh.engine.server import errors
+from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
+
+HASH_FUNCTION = "sha256"
+
+
+def kv_events_info(publisher: KVEventPublisher | None, engine_id: str) -> dict[str, Any] | None:
+    if publisher is None:
+        return None
+    return {"port": publisher.port, "replay_port": publisher.replay_port, "topic": topic_for(engine_id).decode()}
+
+
+def kv_info(engine: Any, publisher: KVEventPublisher | None) -> dict[str, Any]:
+    """Body of ``/kv/info`` for a loaded engine.
+
+    ``extra_key`` is the exact byte string the engine hashes (hex); ``model``, ``dtype``,
+    ``lora`` and ``cache_salt`` are its readable parts, so a router can either use the bytes
+    as they are or rebuild them with ``block_hash.extra_key(model, dtype, lora, cache_salt)``.
+    """
+    return {
+        "engine_id": engine.engine_id,
+        "block_size": engine.config.block_size,
+        "hash_function": HASH_FUNCTION,
+        "root_hash": ROOT_HASH.hex(),
+        "extra_key": engine.kv.extra.hex(),
+        "model": engine.model_config.name,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "lora": None,
+        "cache_salt": engine.config.cache_salt or None,
+        "kv_events": kv_events_info(publisher, engine.engine_id),
+        "tiers": [engine.kv.pool.tier],
+    }
+
+
+def add_kv_routes(app: FastAPI, aengine: AsyncEngine, publisher: KVEventPublisher | None) -> None:
+    def loaded_engine() -> Any:
+        if aengine.engine is None:
+            if aengine.state is ServerState.FAILED:
+                raise errors.engine_failed(str(aengine.failure))
+            raise errors.not_ready()
+        return aengine.engine
+
+    @app.get("/kv/snapshot")
+    async def kv_snapshot() -> dict[str, Any]:
+        return snapshot_to_json(loaded_engine().events.snapshot())
+
+    @app.get("/kv/info")
+    async def kv_info_route() -> dict[str, Any]:
+        return kv_info(loaded_engine(), publisher)
