@@ -31,7 +31,11 @@ class EngineConfig:
     model: "default" (the embedded SmolLM2), a .gguf file or a safetensors directory.
     kv_cache_bytes: KV pool size; None means kv_cache_memory_fraction of free device
     memory on CUDA, and 2 GiB on CPU. attention_backend: "auto" (triton on CUDA,
-    torch on CPU), "torch" or "triton".
+    torch on CPU), "torch" or "triton". seed: seeds the sampling noise of requests
+    without a seed of their own, so one engine given the same requests in the same
+    order samples the same tokens (a request's own seed always wins).
+    enable_chunked_prefill=False: a prompt must fit in max_num_batched_tokens
+    (longer ones are rejected at add_request).
     """
 
     model: str = "default"
@@ -79,5 +83,7 @@ class EngineConfig:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError("num_kv_blocks must be >= 1")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         parse_dtype(self.dtype)
         return self

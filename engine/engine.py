@@ -9,10 +9,13 @@ engine, so engine state is never shared or copied across threads.
 from __future__ import annotations
 
 import itertools
+import logging
+import operator
 import queue
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +36,16 @@ from kvmesh.engine.stream import RequestStream
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
 
+log = logging.getLogger("kvmesh.engine")
+
+
+class InvalidPromptError(ValueError):
+    """The prompt is not a list of token ids in the model's vocabulary; the message says which."""
+
+
+class EmptyPromptError(InvalidPromptError):
+    """The prompt has no tokens: the model needs at least one to produce logits."""
+
 
 class PromptTooLongError(ValueError):
     """Prompt plus max_tokens exceed what the engine can hold; the message names the limit."""
@@ -40,6 +53,29 @@ class PromptTooLongError(ValueError):
 
 class DuplicateRequestError(ValueError):
     """A request with this id is already in flight."""
+
+
+def _check_token_ids(prompt_token_ids: Sequence[int], vocab: int) -> list[int]:
+    """The prompt as a list of plain ints, each in [0, vocab).
+
+    Runs once per request at the door, so a bad id never reaches a step: floats,
+    bools and strings are refused rather than coerced.
+    """
+    if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
+        raise InvalidPromptError(f"the prompt must be a list of token ids, got {type(prompt_token_ids).__name__}")
+    try:
+        ids = [operator.index(t) for t in prompt_token_ids]
+    except TypeError:
+        bad = next(t for t in prompt_token_ids if not hasattr(t, "__index__"))
+        raise InvalidPromptError(f"prompt token ids must be integers, got {bad!r}") from None
+    if any(isinstance(t, bool) for t in prompt_token_ids):
+        raise InvalidPromptError("prompt token ids must be integers, got a bool")
+    if not ids:
+        raise EmptyPromptError("the prompt is empty; send at least one token")
+    if not 0 <= min(ids) <= max(ids) < vocab:
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise InvalidPromptError(f"prompt token ids must be in [0, {vocab}), got {bad}")
+    return ids
 
 
 @dataclass
@@ -110,7 +146,7 @@ class LLMEngine:
         self.model = LlamaModel(self.model_config, self.loaded.weights, self.backend, self.dtype,
                                 self.device, max_position=model_len)
         self.loaded.weights = {}  # the model holds fused copies; drop the originals
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.dtype)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.dtype, seed=cfg.seed)
         if cfg.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton":
             sizes = tuple(b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs)
             self.runner.capture_cuda_graphs(sizes, model_len)
@@ -134,15 +170,15 @@ class LLMEngine:
         self._num_steps = 0
 
     # ---- thread-safe entry points -------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """Everything add_request checks, without enqueuing; returns the prompt as a list of ints.
+
+        Raises InvalidSamplingParams, InvalidPromptError (EmptyPromptError for no tokens) or
+        PromptTooLongError. A request that passes can always be scheduled to completion.
+        """
         params.validate()
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise PromptTooLongError("the prompt is empty; send at least one token")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        ids = _check_token_ids(prompt_token_ids, self.model_config.vocab_size)
+        n = len(ids)
         if n + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request has "
@@ -154,13 +190,26 @@ class LLMEngine:
                 f"the KV cache holds {capacity} tokens; the request needs {n} prompt tokens plus "
                 f"max_tokens={params.max_tokens}"
             )
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and n > budget:
+            # Without chunking a prompt runs in one step or never: it would block the queue forever.
+            raise PromptTooLongError(
+                f"with chunked prefill off a prompt must fit in one step of max_num_batched_tokens={budget} "
+                f"tokens; the prompt has {n}. Shorten it, raise max_num_batched_tokens or enable chunked prefill"
+            )
+        return ids
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        """Validate (see check_request) and enqueue; the request joins at the next step."""
+        ids = self.check_request(prompt_token_ids, params)
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
         req = Request(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=ids,
             params=params,
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic()),
             priority=priority,
@@ -208,6 +257,21 @@ class LLMEngine:
         self._forget(req, time.monotonic())
         return req.stream.abort_output(req)
 
+    def _fail(self, reqs: list[Request], exc: Exception) -> list[RequestOutput]:
+        """Finish `reqs` with finish_reason "error" and free their blocks, so a failure is
+        reported to the requests it hit and the engine stays usable for everyone else."""
+        message = f"{type(exc).__name__}: {exc}"
+        log.error("step failed for %d request(s): %s", len(reqs), message, exc_info=exc)
+        now = time.monotonic()
+        outs = []
+        for req in reqs:
+            if req.is_finished:
+                continue
+            self.scheduler.finish(req, "error")
+            self._forget(req, now)
+            outs.append(req.stream.error_output(req, message))
+        return outs
+
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drain_commands(outputs)
@@ -220,7 +284,10 @@ class LLMEngine:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
         block_ids = [self.kv.block_ids(s.request.request_id) for s in sched.seqs]
-        result = self.runner.execute(sched, block_ids)
+        try:
+            result = self.runner.execute(sched, block_ids)
+        except Exception as exc:  # noqa: BLE001 - which request caused it is unknown: fail the batch
+            return outputs + self._fail([s.request for s in sched.seqs], exc)
         self.scheduler.update_after_step(sched)
         if result is not None:
             now = time.monotonic()
@@ -232,7 +299,11 @@ class LLMEngine:
                 if m.first_token_time is None:
                     m.first_token_time = now
                 m.last_token_time = now
-                out = req.stream.on_token(req, tok, lp, self.max_model_len)
+                try:
+                    out = req.stream.on_token(req, tok, lp, self.max_model_len)
+                except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer error: this request only
+                    outputs.extend(self._fail([req], exc))
+                    continue
                 if out.finished:
                     self.scheduler.finish(req, out.finish_reason)
                     self._forget(req, now)
@@ -240,6 +311,11 @@ class LLMEngine:
         if self.debug_checks:
             self.kv.check_integrity()
         return outputs
+
+    @property
+    def num_steps(self) -> int:
+        """Steps that ran a forward pass; unchanged by a step that found nothing to schedule."""
+        return self._num_steps
 
     def stats(self) -> EngineStats:
         ps = self.kv.prefix_stats()

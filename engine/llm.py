@@ -12,6 +12,19 @@ from kvmesh.engine.outputs import RequestMetrics, TokenLogprob
 from kvmesh.engine.sampling import SamplingParams
 
 
+# A step may legitimately schedule nothing right after preempting every running request;
+# this many in a row with requests pending can only be a request that never fits.
+_MAX_IDLE_STEPS = 8
+
+
+class EngineStalledError(RuntimeError):
+    """Requests are pending but the engine can schedule none of them."""
+
+
+class RequestFailedError(RuntimeError):
+    """A request finished with an error inside the engine step; the message carries the cause."""
+
+
 @dataclass
 class GenerationResult:
     request_id: str
@@ -47,22 +60,55 @@ class LLM:
         prompts: Sequence[str | list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
+        """Run every prompt to completion; results in prompt order.
+
+        All prompts are validated before any is submitted, so a bad prompt raises its error
+        (InvalidPromptError, PromptTooLongError, InvalidSamplingParams) and leaves the engine
+        as it was. If a request fails inside a step, or the engine stops making progress, the
+        batch's other requests are aborted and RequestFailedError / EngineStalledError is raised.
+        """
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        order: list[str] = []
-        prompt_ids: dict[str, list[int]] = {}
-        for prompt, p in zip(prompts, params):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            rid = f"gen-{next(self._ids)}"
-            self.engine.add_request(rid, ids, p)
-            order.append(rid)
-            prompt_ids[rid] = ids
+        checked = [
+            self.engine.check_request(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt, p)
+            for prompt, p in zip(prompts, params)
+        ]
+        prompt_ids = {f"gen-{next(self._ids)}": ids for ids in checked}
+        order = list(prompt_ids)
+        try:
+            for rid, p in zip(order, params):
+                self.engine.add_request(rid, prompt_ids[rid], p)
+            results = self._run(prompt_ids)
+        except BaseException:
+            # Abort what this call submitted so that nothing outlives it in the engine.
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
+        return [results[rid] for rid in order]
+
+    def _run(self, prompt_ids: dict[str, list[int]]) -> dict[str, GenerationResult]:
         results: dict[str, GenerationResult] = {}
-        logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in order}
-        while len(results) < len(order):
-            for out in self.engine.step():
+        logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in prompt_ids}
+        idle = 0
+        while len(results) < len(prompt_ids):
+            before = self.engine.num_steps
+            outs = self.engine.step()
+            # Consecutive steps that neither run a forward nor report anything mean no
+            # pending request can ever be scheduled; waiting longer would spin forever.
+            idle = idle + 1 if not outs and self.engine.num_steps == before else 0
+            if idle > _MAX_IDLE_STEPS:
+                pending = [rid for rid in prompt_ids if rid not in results]
+                raise EngineStalledError(
+                    f"the engine made no progress in {idle} steps with {len(pending)} request(s) pending "
+                    f"({', '.join(pending[:5])}); they were aborted"
+                )
+            for out in outs:
+                if out.request_id not in prompt_ids:
+                    continue  # the abort of a request from an earlier, failed call
+                if out.finish_reason == "error":
+                    raise RequestFailedError(f"request {out.request_id} failed: {out.error}")
                 if out.logprobs:
                     logprobs[out.request_id].extend(out.logprobs)
                 if out.finished:
@@ -77,7 +123,7 @@ class LLM:
                         logprobs=logprobs[out.request_id] or None,
                         metrics=out.metrics,
                     )
-        return [results[rid] for rid in order]
+        return results
 
     def chat(
         self,

@@ -35,7 +35,7 @@ class RequestOutput:
     step would make a long stream quadratic. When `finished` is True
     this is the request's last output and `finish_reason` is one of
     "stop" (EOS, stop token or stop string), "length" (max_tokens or the model
-    length) or "abort".
+    length), "abort", or "error" (the step failed for this request; `error` says why).
     """
 
     request_id: str
@@ -51,6 +51,7 @@ class RequestOutput:
     metrics: RequestMetrics
     stop_reason: int | str | None = None  # the stop token id or string that ended it
     num_output_tokens: int = -1  # -1: take len(output_token_ids)
+    error: str | None = None  # set only with finish_reason "error"
 
     def __post_init__(self) -> None:
         if self.num_output_tokens < 0:

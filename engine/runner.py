@@ -17,7 +17,8 @@ from kvmesh.engine.scheduler import SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 seed: int = 0) -> None:
         c = model.config
         self.model = model
         self.device = model.device
@@ -31,6 +32,10 @@ class ModelRunner:
             dtype=kv_dtype, device=self.device,
         )
         self.graphs: CudaGraphDecoder | None = None
+        # Noise for requests without a seed of their own: one engine-wide stream, so the same
+        # requests submitted in the same order sample the same tokens.
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
 
     def capture_cuda_graphs(self, batch_sizes: tuple[int, ...], max_model_len: int) -> None:
         """Capture decode graphs (CUDA only); later decode-only steps that fit replay them."""
@@ -102,4 +107,4 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden)
         reqs = [out.seqs[i].request for i in producing]
-        return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        return sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self.generator)

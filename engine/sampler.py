@@ -49,15 +49,29 @@ def _apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return logits
 
 
+def _scale(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Logits divided by each row's temperature (greedy rows by 1), shifted so each row's max is 0.
+
+    Shifting first keeps any positive temperature finite: (x - max) / t is <= 0, so a tiny t
+    sends the other tokens to -inf instead of overflowing the maximum to inf (inf - inf is
+    NaN, and a NaN row would sample token 0).
+    """
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                         device=logits.device, dtype=logits.dtype).unsqueeze(1)
+    return (logits - logits.amax(dim=-1, keepdim=True)) / temps
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None = None,
 ) -> SampleResult:
     """logits: [N, vocab] in the model's dtype, one row per request in `params` order.
 
     Greedy picks need no upcast (bf16 -> fp32 is exact, so the argmax is the same);
-    probabilities and logprobs are computed in fp32.
+    probabilities and logprobs are computed in fp32. Rows without a generator of their own
+    draw from `default_generator` (torch's global generator when None).
     """
     n = logits.shape[0]
     greedy = [p.greedy for p in params]
@@ -66,15 +80,13 @@ def sample(
     if not all(greedy) or any(p.logprobs is not None for p in params):
         logits = logits.float()
     if not all(greedy):
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                             device=logits.device, dtype=logits.dtype).unsqueeze(1)
-        filtered = _apply_filters(logits / temps, params)
+        filtered = _apply_filters(_scale(logits, params), params)
         probs = filtered.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
         noise = torch.empty_like(probs)
         seeded = [i for i, g in enumerate(generators) if g is not None]
         if len(seeded) < n:
-            noise.exponential_()
+            noise.exponential_(generator=default_generator)
         for i in seeded:
             noise[i].exponential_(generator=generators[i])
         tokens = argmax_rows(probs / noise)

@@ -6,15 +6,25 @@ from dataclasses import dataclass, field
 
 
 class InvalidSamplingParams(ValueError):
-    """A sampling parameter is out of range; the message names it."""
+    """A sampling parameter has the wrong type or is out of range; the message starts with its name."""
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    """An int or float that is not a bool and not NaN (NaN compares false to every bound)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
 
 
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature == 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0
-    disable those filters. `logprobs` is None for none, else the number of top
+    temperature == 0 means greedy; any positive temperature, however small, samples
+    (numerically safely: a tiny one picks the argmax). top_k == -1, top_p == 1 and
+    min_p == 0 disable those filters. `logprobs` is None for none, else the number of top
     alternatives to return beside the sampled token (0 = the sampled token only).
     A request with a `seed` samples the same tokens whatever else is batched with it.
     """
@@ -34,24 +44,34 @@ class SamplingParams:
     MAX_LOGPROBS = 20
 
     def validate(self) -> "SamplingParams":
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        """Check types and ranges; raise InvalidSamplingParams naming the first bad field.
+
+        Types are checked strictly (a bool is not an int, a float is not an int) so that
+        nothing which would fail later inside the engine step gets past the door.
+        """
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidSamplingParams(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise InvalidSamplingParams(f"temperature must be in [0, 2], got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < -1):
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise InvalidSamplingParams(f"temperature must be a number in [0, 2], got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidSamplingParams(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise InvalidSamplingParams(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidSamplingParams(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidSamplingParams(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise InvalidSamplingParams(f"seed must be an integer or None, got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
             raise InvalidSamplingParams(
-                f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs!r}"
+                f"logprobs must be None or an integer between 0 and {self.MAX_LOGPROBS}, got {self.logprobs!r}"
             )
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidSamplingParams("stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise InvalidSamplingParams("stop_token_ids must be non-negative integers")
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidSamplingParams("stop must be a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise InvalidSamplingParams("stop_token_ids must be a list of non-negative integers")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidSamplingParams(f"{name} must be true or false, got {getattr(self, name)!r}")
         return self
 
     @property

@@ -7,6 +7,10 @@ blocks last. When a running request cannot get a block, the lowest-priority,
 latest-arrived running request is preempted (its blocks freed, its progress
 reset so it is recomputed later, its generated tokens kept). No new request is
 admitted in a step that preempted.
+
+With chunked prefill off, a new request is admitted only when its whole prompt
+fits in the step's remaining budget (the engine rejects prompts longer than the
+budget, so the head of the queue always fits once the running requests finish).
 """
 
 from __future__ import annotations
@@ -135,7 +139,10 @@ class Scheduler:
                     break
                 computed_blocks, num_computed = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
                 num_new = req.num_tokens - num_computed
-                if num_new > budget and not self.enable_chunked_prefill:
+                # A preempted request is recomputed in chunks even with chunked prefill off: its
+                # prompt plus generated tokens may exceed the budget, and the engine only
+                # guarantees that the prompt alone fits in one step.
+                if num_new > budget and not self.enable_chunked_prefill and not req.output_token_ids:
                     break
                 num_new = min(num_new, budget)
                 blocks = self.kv.allocate_slots(
@@ -147,8 +154,10 @@ class Scheduler:
                 self._num_waiting -= 1
                 req.status = RequestStatus.RUNNING
                 req.num_computed_tokens = num_computed
-                if req.num_cached_tokens < 0:
+                first_admission = req.num_cached_tokens < 0
+                if first_admission:
                     req.num_cached_tokens = min(num_computed, req.num_prompt_tokens)
+                self.kv.record_prefix_lookup(req.num_tokens, num_computed, preempted=not first_admission)
                 self.running.append(req)
                 scheduled.append(ScheduledSeq(req, num_new, num_computed))
                 budget -= num_new

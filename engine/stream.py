@@ -74,3 +74,8 @@ class RequestStream:
 
     def abort_output(self, req: Request) -> RequestOutput:
         return self._output(req, [], None, True, "abort", None)
+
+    def error_output(self, req: Request, message: str) -> RequestOutput:
+        out = self._output(req, [], None, True, "error", None)
+        out.error = message
+        return out

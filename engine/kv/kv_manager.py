@@ -18,7 +18,7 @@ first ``num_cached_blocks`` blocks of a request are hashed with the request's ow
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .block_hash import ROOT_HASH, BlockHash, hash_block
 from .block_pool import BlockPool, KVBlock, KVIntegrityError
@@ -27,10 +27,17 @@ from .events import TIER_GPU, KVEventHandler
 
 @dataclass
 class PrefixCacheStats:
-    """Cumulative prefix-cache lookups, in tokens."""
+    """Cumulative prefix-cache lookups, in tokens, one per request admission.
+
+    ``queries``/``hits`` count each request's first admission only, so ``hit_rate`` is the
+    share of prompt tokens served from the cache. Re-admissions after preemption (which look up
+    prompt and generated tokens again) go to ``preempted_queries``/``preempted_hits``.
+    """
 
     queries: int = 0
     hits: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -86,7 +93,9 @@ class KVCacheManager:
         """Longest cached prefix of the request, as (blocks, num_computed_tokens).
 
         Leaves at least one token to compute, so the model still produces logits. Takes no
-        references: pass the result to ``allocate_slots`` in the same scheduling step.
+        references: pass the result to ``allocate_slots`` in the same scheduling step. Counts
+        nothing: a blocked request is looked up again every step, so the caller reports the
+        lookup that led to an admission with ``record_prefix_lookup``.
         """
         if not self.enable_caching or not token_ids:
             return [], 0
@@ -99,10 +108,18 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
-        num_computed = len(hits) * self.block_size
-        self._stats.queries += len(token_ids)
-        self._stats.hits += num_computed
-        return hits, num_computed
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int, preempted: bool = False) -> None:
+        """Count one admitted request's lookup (see PrefixCacheStats); a no-op without caching."""
+        if not self.enable_caching:
+            return
+        if preempted:
+            self._stats.preempted_queries += num_query_tokens
+            self._stats.preempted_hits += num_hit_tokens
+        else:
+            self._stats.queries += num_query_tokens
+            self._stats.hits += num_hit_tokens
 
     def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int,
                        new_computed_blocks: Sequence[KVBlock] = (),
@@ -209,7 +226,7 @@ class KVCacheManager:
 
     def prefix_stats(self) -> PrefixCacheStats:
         """Cumulative (queries, hits) in tokens, as a copy."""
-        return PrefixCacheStats(self._stats.queries, self._stats.hits)
+        return replace(self._stats)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -184,6 +184,8 @@ class Serving:
 
     @staticmethod
     def _absorb(st: ChoiceState, out: RequestOutput) -> None:
+        if out.finish_reason == "error":
+            raise errors.engine_failed(out.error or "the request failed")
         st.num_tokens = out.num_output_tokens
         st.num_cached = out.num_cached_tokens
         if out.finished:

@@ -32,6 +32,7 @@ def prefill(kv: KVCacheManager, rid: str, tokens: list[int]) -> tuple[int, list[
     hits, n = kv.get_computed_blocks(rid, tokens)
     new = kv.allocate_slots(rid, tokens, len(tokens) - n, hits, n)
     assert new is not None
+    kv.record_prefix_lookup(len(tokens), n)  # as the scheduler does on admission
     kv.check_integrity()
     kv.cache_blocks(rid, tokens, len(tokens))
     kv.check_integrity()
@@ -91,7 +92,9 @@ def test_prefix_hit_across_requests(block_size):
     assert n == 3 * block_size
     assert [b.block_id for b in hits] == a_ids[:3]
     assert [b.block_hash for b in hits] == hash_blocks(b_tokens, block_size, EXTRA)[:3]
+    assert kv.prefix_stats().queries == len(a_tokens), "a lookup alone is not an admission"
     kv.allocate_slots("b", b_tokens, len(b_tokens) - n, hits, n)
+    kv.record_prefix_lookup(len(b_tokens), n)
     kv.check_integrity()
     assert kv.block_ids("b")[:3] == a_ids[:3]
     assert all(kv.pool.blocks[i].ref_cnt == 2 for i in a_ids[:3])

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from kvmesh.engine.sampler import sample
 from kvmesh.engine.sampling import SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def _seeded_global_rng():
+    """Unseeded rows draw from torch's global generator: seed it so every run sees the same draws."""
+    state = torch.random.get_rng_state()
+    torch.manual_seed(1234)
+    yield
+    torch.random.set_rng_state(state)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -72,3 +82,26 @@ def test_logprobs_match_log_softmax():
     assert tl.token_id == int(lp.argmax()) and math.isclose(tl.logprob, float(lp.max()), rel_tol=1e-5)
     assert [t for t, _ in tl.top] == lp.topk(3).indices.tolist()
     assert res.logprobs[1] is None
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 1e-8, 1e-3])
+def test_tiny_temperature_picks_the_argmax(temperature):
+    logits = torch.randn(6, 500) * 30
+    logits[5, 7] = logits[5].max() + 1e-3  # a close runner-up must not matter either
+    res = sample(logits, [SamplingParams(temperature=temperature)] * 6, [None] * 6)
+    assert res.token_ids == logits.argmax(-1).tolist()
+
+
+def test_tiny_temperature_with_filters_and_bf16():
+    logits = (torch.randn(3, 200) * 10).bfloat16()
+    params = [SamplingParams(temperature=1e-30, top_k=5), SamplingParams(temperature=1e-30, top_p=0.5),
+              SamplingParams(temperature=1e-30, min_p=0.2)]
+    assert sample(logits, params, [None] * 3).token_ids == logits.float().argmax(-1).tolist()
+
+
+def test_default_generator_drives_unseeded_rows():
+    logits = torch.zeros(8, 100)
+    params = [SamplingParams(temperature=1.0)] * 8
+    a = sample(logits, params, [None] * 8, _gen(7)).token_ids
+    torch.manual_seed(999)
+    assert sample(logits, params, [None] * 8, _gen(7)).token_ids == a
