@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import socket
 import threading
@@ -111,8 +110,3 @@ async def until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "co
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout}s")
         await asyncio.sleep(0.01)
-
-
-def scratch_env() -> dict[str, str]:
-    """Environment for child Python processes (run from a scratch dir so `operator/` cannot shadow)."""
-    return dict(os.environ)
