@@ -109,3 +109,12 @@ def test_serve_flags():
     for bad in ("65535", "-1", "x"):
         with pytest.raises(SystemExit):
             _parse("--kv-events-port", bad)
+
+
+def test_serve_refuses_a_busy_kv_events_port_before_loading(caplog):
+    from kvmesh.engine.server.runtime import ServeSettings, serve
+
+    port = free_port_pair()
+    with KVEventPublisher("127.0.0.1", port):
+        assert serve(ServeSettings(kv_events_port=port)) == 2
+    assert "--kv-events-port" in caplog.text
