@@ -132,6 +132,7 @@ class LLMEngine:
         self.loaded = loaded or load_model(cfg.model, self.dtype)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        self.model_id = self.loaded.model_id  # the block-hash identity (name @ weights digest)
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.debug_checks = debug_checks
         self.backend = AttentionBackend(_pick_backend(cfg, self.device))
@@ -153,7 +154,7 @@ class LLMEngine:
         self.events = KVEventLog(self.engine_id)
         self.kv = KVCacheManager(
             num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-            extra_key(self.model_config.name, str(self.dtype).removeprefix("torch."),
+            extra_key(self.model_id, str(self.dtype).removeprefix("torch."),
                       cache_salt=cfg.cache_salt or None),
             on_event=self.events.publish,
         )

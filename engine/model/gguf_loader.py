@@ -227,3 +227,16 @@ def load_gguf(
         weights[key] = w.contiguous()
     check_weight_shapes(config, weights, path)
     return config, weights
+
+
+def weights_digest(path: str | Path) -> str:
+    """Fingerprint (see fingerprint.py) of a GGUF file: its tensor table (names, quantization
+    types, shapes, offsets), size and sampled bytes. Two quantizations of one model differ."""
+    from gguf import GGUFReader
+
+    from .fingerprint import fingerprint
+
+    reader = GGUFReader(path)
+    table = "\n".join(f"{t.name} {int(t.tensor_type)} {list(map(int, t.shape))} {int(t.data_offset)}"
+                      for t in reader.tensors)
+    return fingerprint([Path(path)], table.encode())

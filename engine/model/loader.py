@@ -14,8 +14,11 @@ import torch
 
 from .config import ModelConfig
 from .fetch import DEFAULT_MODEL_NAME, ensure_default_model
+from .fingerprint import model_id
 from .gguf_loader import load_gguf
+from .gguf_loader import weights_digest as gguf_weights_digest
 from .safetensors_loader import ModelLoadError, load_safetensors_dir
+from .safetensors_loader import weights_digest as dir_weights_digest
 from .tokenizer import Tokenizer, TokenizerLoadError
 
 
@@ -32,6 +35,13 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     source: str  # the resolved file or directory the model came from
+    # Identity for KV block hashes: the name plus a digest of the weight files (fingerprint.py),
+    # so checkpoints that share a name never share cached blocks.
+    model_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            self.model_id = self.config.name
 
 
 def _load_gguf_model(path: Path, dtype: torch.dtype, name: str | None) -> LoadedModel:
@@ -40,7 +50,7 @@ def _load_gguf_model(path: Path, dtype: torch.dtype, name: str | None) -> Loaded
         tokenizer = Tokenizer.from_gguf(path, extra_eos_ids=config.eos_token_ids)
     except TokenizerLoadError as e:
         raise ModelLoadError(str(e)) from None
-    return LoadedModel(config, weights, tokenizer, str(path))
+    return LoadedModel(config, weights, tokenizer, str(path), model_id(config.name, gguf_weights_digest(path)))
 
 
 def _load_dir_model(path: Path, dtype: torch.dtype) -> LoadedModel:
@@ -49,7 +59,7 @@ def _load_dir_model(path: Path, dtype: torch.dtype) -> LoadedModel:
         tokenizer = Tokenizer.from_dir(path, extra_eos_ids=config.eos_token_ids)
     except TokenizerLoadError as e:
         raise ModelLoadError(f"{e}; kvmesh needs the model's tokenizer files beside its weights") from None
-    return LoadedModel(config, weights, tokenizer, str(path))
+    return LoadedModel(config, weights, tokenizer, str(path), model_id(config.name, dir_weights_digest(path)))
 
 
 def load_model(source: str = "default", dtype: torch.dtype = torch.float32) -> LoadedModel:

@@ -84,6 +84,22 @@ def _shard_files(directory: Path) -> list[Path]:
     return files
 
 
+def weights_digest(directory: str | Path) -> str:
+    """Fingerprint (see fingerprint.py) of the directory's weight shards: their safetensors
+    headers (tensor names, dtypes, shapes, offsets), sizes and sampled bytes."""
+    import struct
+
+    from .fingerprint import fingerprint
+
+    files = _shard_files(Path(directory))
+    table = bytearray()
+    for shard in files:
+        with open(shard, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            table += f.read(min(n, 100 << 20))  # the format caps headers at 100 MB; trust no more
+    return fingerprint(files, bytes(table))
+
+
 def read_hf_config(directory: Path, name: str | None = None) -> ModelConfig:
     path = directory / "config.json"
     if not path.is_file():
@@ -134,4 +150,5 @@ def load_safetensors_dir(
     return config, weights
 
 
-__all__ = ["ModelLoadError", "UnsupportedModelError", "check_weight_shapes", "load_safetensors_dir", "read_hf_config"]
+__all__ = ["ModelLoadError", "UnsupportedModelError", "check_weight_shapes", "load_safetensors_dir", "read_hf_config",
+           "weights_digest"]

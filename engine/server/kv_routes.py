@@ -39,7 +39,7 @@ def kv_info(engine: Any, publisher: KVEventPublisher | None) -> dict[str, Any]:
         "hash_function": HASH_FUNCTION,
         "root_hash": ROOT_HASH.hex(),
         "extra_key": engine.kv.extra.hex(),
-        "model": engine.model_config.name,
+        "model": engine.model_id,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "lora": None,
         "cache_salt": engine.config.cache_salt or None,

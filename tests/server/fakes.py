@@ -69,6 +69,7 @@ class FakeEngine:
                  max_num_seqs: int = 8, step_delay_s: float = 0.0) -> None:
         self.config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs)
         self.model_config = _ModelConfig()
+        self.model_id = self.model_config.name  # what a real engine hashes KV blocks under
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
