@@ -10,6 +10,7 @@ import sys
 _SUBCOMMANDS = (
     ("kvmesh.engine.model.fetch", "add_model_subcommands"),
     ("kvmesh.engine.server.cli", "add_serve_subcommand"),
+    ("kvmesh.engine.router.cli", "add_router_subcommand"),
     ("kvmesh.engine.generate_cli", "add_generate_subcommand"),
     ("kvmesh.operator.cli", "add_operator_subcommand"),
     ("kvmesh.up", "add_up_subcommand"),

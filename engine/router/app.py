@@ -1,0 +1,296 @@
+"""The router's ASGI application: OpenAI routes in front of the engine fleet.
+
+A plain ASGI callable rather than a framework app: the hot path is "read body, decide, relay
+chunks", and owning ``send`` directly is what lets the proxy hold the response head back
+until the engine has produced a first byte (so retries stay invisible to the client).
+
+Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /ready, /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from kvmesh.engine.router import proxy
+from kvmesh.engine.router.discovery import EngineState, Fleet, ServiceSource
+from kvmesh.engine.router.metrics import RouterMetrics
+from kvmesh.engine.router.policies import LoadModel, RouteRequest, build_policy, uses_prefix
+from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, PromptInfo, analyze, common_hash_spec, matched_tokens
+from kvmesh.engine.router.sessions import SessionTable, session_key
+from kvmesh.engine.server import errors
+from kvmesh.engine.server.errors import APIError
+from kvmesh.engine.server.metrics_util import render
+
+log = logging.getLogger("kvmesh.router")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    policy: str = "cache-aware"
+    engines: tuple[str, ...] = ()
+    services: tuple[ServiceSource, ...] = ()
+    session_idle_s: float = 600.0
+    load: LoadModel = LoadModel()
+    max_attempts: int = 3
+    connect_timeout_s: float = 5.0
+    resolve_interval_s: float = 5.0
+    health_interval_s: float = 2.0
+    sync_timeout_s: float = 60.0
+
+
+def all_engines_down(tried: list[str]) -> APIError:
+    detail = f"; tried: {'; '.join(tried)}" if tried else ""
+    return APIError(f"no engine is available to serve this request{detail}. Retry shortly.", 503,
+                    "service_unavailable", "no_engine_available", None, {"Retry-After": "1"})
+
+
+async def _read_body(receive: Callable[[], Any]) -> bytes:
+    parts = []
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise asyncio.CancelledError  # nothing to answer
+        parts.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return b"".join(parts)
+
+
+class RouterApp:
+    """Holds the fleet, the policy, the sessions and the metrics; ``__call__`` is the ASGI app."""
+
+    def __init__(self, settings: RouterSettings, tokenizer: Any | None = None,
+                 fleet_factory: Callable[[aiohttp.ClientSession], Fleet] | None = None) -> None:
+        self.settings = settings
+        self.policy = build_policy(settings.policy, settings.load)
+        self.tokenizer = tokenizer if uses_prefix(settings.policy) else None
+        self.sessions = SessionTable(idle_s=settings.session_idle_s)
+        self._fleet_factory = fleet_factory or self._default_fleet
+        self.fleet: Fleet | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self._turn = itertools.count()
+        self.metrics = RouterMetrics(settings.policy, lambda: self.fleet.num_healthy() if self.fleet else 0,
+                                     lambda: self.fleet.index.size() if self.fleet else {})
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s, sock_read=None)
+
+    def _default_fleet(self, session: aiohttp.ClientSession) -> Fleet:
+        s = self.settings
+        return Fleet(session, urls=list(s.engines), services=list(s.services), track_kv=self.tokenizer is not None,
+                     resolve_interval_s=s.resolve_interval_s, health_interval_s=s.health_interval_s,
+                     on_removed=self.sessions.forget_endpoint)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def startup(self) -> None:
+        # One pooled connector for every engine; no per-host cap (the engines queue, not us).
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
+                                             auto_decompress=False)
+        self.fleet = self._fleet_factory(self.session)
+        await self.fleet.start()
+        if not await self.fleet.wait_synced(self.settings.sync_timeout_s):
+            log.warning("not every engine's KV snapshot loaded within %.0fs; /ready stays 503 until they do",
+                        self.settings.sync_timeout_s)
+
+    async def shutdown(self) -> None:
+        if self.fleet is not None:
+            await self.fleet.stop()
+        if self.session is not None:
+            await self.session.close()
+
+    async def _lifespan(self, receive: Callable[[], Any], send: proxy.Send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as e:  # noqa: BLE001 - reported to the server, which exits
+                    log.exception("router startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # ---- ASGI ----------------------------------------------------------------------------
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Any], send: proxy.Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        try:
+            if path in (COMPLETIONS, CHAT):
+                if method != "POST":
+                    raise errors.method_not_allowed(method, path)
+                await self._generate(scope, receive, send, path)
+            elif method != "GET":
+                raise errors.method_not_allowed(method, path) if path in _GET_ROUTES else errors.route_not_found(path)
+            elif path == "/health":
+                await proxy.send_json(send, 200, b'{"status":"ok"}')
+            elif path == "/ready":
+                ok = self.fleet is not None and self.fleet.ready()
+                await proxy.send_json(send, 200 if ok else 503, b'{"ready":%s}' % (b"true" if ok else b"false"))
+            elif path == "/metrics":
+                body, ctype = render(self.metrics.registry)
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", ctype.encode())]})
+                await send({"type": "http.response.body", "body": body})
+            elif path == "/v1/models" or path.startswith("/v1/models/"):
+                await self._models(path, send)
+            else:
+                raise errors.route_not_found(path)
+        except APIError as e:
+            await proxy.send_error(send, e)
+
+    async def _models(self, path: str, send: proxy.Send) -> None:
+        assert self.fleet is not None and self.session is not None
+        tried = []
+        for ep in sorted(self.fleet.endpoints(), key=lambda e: e.running):
+            if not ep.healthy:
+                continue
+            try:
+                async with self.session.get(ep.id + path, timeout=self._timeout) as r:
+                    body = await r.read()
+                    await proxy.send_json(send, r.status, body)
+                    return
+            except proxy.UPSTREAM_ERRORS as e:
+                self.fleet.mark_failed(ep.id, str(e))
+                tried.append(f"{ep.id}: {type(e).__name__}")
+        raise all_engines_down(tried)
+
+    # ---- generation ----------------------------------------------------------------------
+    def decide(self, info: PromptInfo, session: str | None, exclude: frozenset[str],
+               now: float) -> tuple[str | None, int]:
+        """(engine URL or None, predicted cached prompt tokens on it)."""
+        assert self.fleet is not None
+        endpoints = self.fleet.endpoints()
+        matches, block_size = {}, 16
+        if self.tokenizer is not None and info.token_ids:
+            engines = self.fleet.engines
+            spec = common_hash_spec([(e.block_size, e.extra) for e in engines.values()])
+            if spec is not None:
+                block_size, extra = spec
+                hashes = info.hashes(block_size, extra)
+                index = self.fleet.index
+                for url, st in engines.items():
+                    if st.block_size == block_size and st.extra == extra:
+                        matches[url] = index.match(url, hashes)
+        target = self.sessions.target(session, now) if session else None
+        req = RouteRequest(info.num_prompt_tokens, block_size, matches, session, target, exclude)
+        chosen = self.policy.choose(req, endpoints, next(self._turn))
+        if chosen is not None and session:
+            self.sessions.bind(session, chosen, now)
+        m = matches.get(chosen) if chosen else None
+        predicted = matched_tokens(m.blocks, block_size, len(info.token_ids)) if m and info.token_ids else 0
+        return chosen, predicted
+
+    async def _generate(self, scope: dict[str, Any], receive: Callable[[], Any], send: proxy.Send,
+                        path: str) -> None:
+        body = await _read_body(receive)
+        task = asyncio.ensure_future(self._serve(scope, body, send, path))
+        disconnect = asyncio.ensure_future(self._wait_disconnect(receive, task))
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise
+        finally:
+            disconnect.cancel()
+
+    @staticmethod
+    async def _wait_disconnect(receive: Callable[[], Any], task: asyncio.Future) -> None:
+        while not task.done():
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                task.cancel()  # closes the upstream connection: the engine aborts the request
+                return
+
+    async def _serve(self, scope: dict[str, Any], body: bytes, send: proxy.Send, path: str) -> None:
+        assert self.fleet is not None and self.session is not None
+        t0 = time.perf_counter()
+        info = analyze(path, body, self.tokenizer)
+        headers = proxy.forward_headers(scope["headers"])
+        session = session_key(headers, info.user) if self.settings.policy == "session" else None
+        exclude: set[str] = set()
+        tried: list[str] = []
+        last_retry: proxy.Retry | None = None
+        for attempt_no in range(self.settings.max_attempts):
+            url, predicted = self.decide(info, session, frozenset(exclude), time.monotonic())
+            if attempt_no == 0:
+                self.metrics.decision.observe(time.perf_counter() - t0)
+            if url is None:
+                break
+            result = await self._attempt(self.fleet.engines.get(url), url, path, body, headers, send, info,
+                                         predicted)
+            if isinstance(result, proxy.Done):
+                return
+            exclude.add(url)
+            tried.append(f"{url}: {result.detail}")
+            last_retry = result
+            self.metrics.retries.labels(result.reason).inc()
+            if result.engine_down:
+                self.fleet.mark_failed(url, result.detail)
+        if last_retry is not None and last_retry.status == 429:
+            # Every engine is busy: their own answer (with Retry-After) says it best.
+            await proxy.send_json(send, 429, last_retry.body, [h for h in last_retry.headers
+                                                               if h[0] != b"content-type"])
+        else:
+            await proxy.send_error(send, all_engines_down(tried))
+        self.metrics.count("none", "unavailable")
+
+    async def _attempt(self, state: EngineState | None, url: str, path: str, body: bytes,
+                       headers: dict[str, str], send: proxy.Send, info: PromptInfo,
+                       predicted: int) -> proxy.Retry | proxy.Done:
+        uncached = max(0, info.num_prompt_tokens - predicted)
+        pending = [uncached]  # prefill tokens still queued on the engine by this request
+
+        def first_byte(seconds: float) -> None:
+            self.metrics.ttft.observe(seconds)
+            if state is not None:
+                state.queued_prefill_tokens -= pending[0]
+            pending[0] = 0
+
+        def engine_failed(why: str) -> None:
+            if self.fleet is not None:
+                self.fleet.mark_failed(url, why)
+
+        if state is not None:
+            state.inflight += 1
+            state.queued_prefill_tokens += uncached
+        outcome = "aborted"
+        try:
+            result = await proxy.attempt(self.session, url + path, body, headers, send,
+                                         proxy.Hooks(first_byte, engine_failed), self._timeout)
+            if isinstance(result, proxy.Done):
+                outcome = result.outcome
+                if result.cached_tokens is not None and info.token_ids is not None \
+                        and len(info.token_ids) == info.num_prompt_tokens:
+                    self.metrics.cached_error.observe(predicted - result.cached_tokens)
+            else:
+                outcome = ""
+            return result
+        finally:
+            if state is not None:
+                state.inflight -= 1
+                state.queued_prefill_tokens -= pending[0]
+            if outcome:
+                self.metrics.count(url, outcome)
+
+
+_GET_ROUTES = frozenset({"/health", "/ready", "/metrics", "/v1/models"})
+
+
+def create_router_app(settings: RouterSettings, tokenizer: Any | None = None) -> RouterApp:
+    return RouterApp(settings, tokenizer)
+
+
+__all__ = ["RouterApp", "RouterSettings", "create_router_app", "all_engines_down"]

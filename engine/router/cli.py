@@ -1,0 +1,167 @@
+"""`kvmesh router`: the cache-aware OpenAI-compatible proxy in front of a pool of engines.
+
+Imported whenever the `kvmesh` parser is built, so nothing heavy is imported at module level.
+The flags are a superset of what the operator renders for the router pod
+(operator/render.py ``component_args``); a test parses every rendered command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+POLICIES = ("cache-aware", "session", "least-load", "round-robin")  # == policies.POLICIES (tested)
+
+
+class RouterArgsError(ValueError):
+    """The command line cannot be served; the message says what to change."""
+
+
+def add_router_arguments(p: argparse.ArgumentParser) -> None:
+    r = p.add_argument_group("routing")
+    r.add_argument("--policy", choices=POLICIES, default="cache-aware",
+                   help="cache-aware: longest cached prefix against load; session: sticky per x-session-id "
+                        "header or 'user' field; least-load and round-robin: baselines (default: %(default)s)")
+    r.add_argument("--session-idle-s", type=float, default=600.0, metavar="SECONDS",
+                   help="forget a session binding after this long without requests (default: %(default)s)")
+    r.add_argument("--running-cost-tokens", type=float, default=64.0, metavar="TOKENS",
+                   help="load of one running request, in prefill tokens (default: %(default)s)")
+    r.add_argument("--max-running-per-engine", type=int, default=128, metavar="N",
+                   help="prefer other engines once one has N requests in flight; a session moves off "
+                        "such an engine (0: no cap; default: %(default)s)")
+    r.add_argument("--max-attempts", type=int, default=3,
+                   help="engines to try for one request before answering 503 (default: %(default)s)")
+
+    d = p.add_argument_group("engines")
+    d.add_argument("--engines", default=None, metavar="URL,...",
+                   help="fixed engine list, e.g. http://127.0.0.1:8001,http://127.0.0.1:8002")
+    d.add_argument("--decode-service", default=None, metavar="HOST:PORT",
+                   help="headless Service of the decode (or colocated) engines; its DNS name is "
+                        "re-resolved to pod addresses every --resolve-interval-s")
+    d.add_argument("--prefill-service", default=None, metavar="HOST:PORT",
+                   help="headless Service of prefill engines (accepted; disaggregated routing comes "
+                        "with prefill/decode roles)")
+    d.add_argument("--cache-service", default=None, metavar="HOST:PORT",
+                   help="KV cache node Service (accepted; remote-tier hits arrive as KV events)")
+    d.add_argument("--resolve-interval-s", type=float, default=5.0, metavar="SECONDS")
+    d.add_argument("--health-interval-s", type=float, default=2.0, metavar="SECONDS")
+    d.add_argument("--sync-timeout-s", type=float, default=60.0, metavar="SECONDS",
+                   help="how long startup waits for every engine's KV snapshot (default: %(default)s)")
+
+    m = p.add_argument_group("model (for tokenizing prompts exactly as the engines do)")
+    m.add_argument("--model", default="default",
+                   help="'default' (the embedded model), a .gguf file or a safetensors directory; with "
+                        "--model-path or --config, the served name only (default: %(default)s)")
+    m.add_argument("--model-path", default=None, metavar="PATH",
+                   help="read the tokenizer from this .gguf file or model directory")
+    m.add_argument("--config", default=None, metavar="FILE",
+                   help="the operator's kvmesh.yaml; its model.source.path is used when --model-path is not given")
+
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def add_router_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "router", help="route OpenAI requests to engines by cached prefix and load",
+        description="An OpenAI-compatible proxy (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                    "/ready, /metrics) that sends each request to the engine holding its longest cached prefix.")
+    add_router_arguments(p)
+    p.set_defaults(func=handler)
+
+
+def tokenizer_source(args: argparse.Namespace) -> str:
+    """Where the engines' tokenizer lives: --model-path, else --config's model path, else --model."""
+    from kvmesh.engine.server.cli import ServeArgsError, _config_model_path
+
+    if args.model_path:
+        return args.model_path
+    if args.config:
+        try:
+            path = _config_model_path(args.config)
+        except ServeArgsError as e:
+            raise RouterArgsError(str(e)) from None
+        if path:
+            return path
+    return args.model
+
+
+def load_tokenizer(source: str):  # -> Tokenizer (imported lazily)
+    """The engines' tokenizer for ``source`` without loading any weights."""
+    from pathlib import Path
+
+    from kvmesh.engine.model.fetch import DEFAULT_MODEL_NAME, ensure_default_model
+    from kvmesh.engine.model.tokenizer import Tokenizer
+
+    if source in ("default", DEFAULT_MODEL_NAME):
+        return Tokenizer.from_gguf(ensure_default_model())
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return Tokenizer.from_gguf(path)
+    if path.is_dir():
+        return Tokenizer.from_dir(path)
+    raise RouterArgsError(f"cannot read a tokenizer from {source!r}: expected 'default', a .gguf file or a model "
+                          "directory (pass --model-path, or use --policy least-load/round-robin, which need none)")
+
+
+def settings_from_args(args: argparse.Namespace):  # -> RouterSettings
+    from kvmesh.engine.router.app import RouterSettings
+    from kvmesh.engine.router.discovery import DiscoveryError, parse_engine_urls, parse_hostport
+    from kvmesh.engine.router.policies import LoadModel
+
+    try:
+        engines = tuple(parse_engine_urls(args.engines)) if args.engines else ()
+        services = (parse_hostport(args.decode_service, "--decode-service"),) if args.decode_service else ()
+        if args.prefill_service:
+            parse_hostport(args.prefill_service, "--prefill-service")
+        if args.cache_service:
+            parse_hostport(args.cache_service, "--cache-service")
+    except DiscoveryError as e:
+        raise RouterArgsError(str(e)) from None
+    if not engines and not services:
+        raise RouterArgsError("no engines to route to: pass --engines URL,... or --decode-service HOST:PORT")
+    if args.session_idle_s <= 0 or args.max_attempts < 1 or args.max_running_per_engine < 0:
+        raise RouterArgsError("--session-idle-s must be > 0, --max-attempts >= 1, --max-running-per-engine >= 0")
+    return RouterSettings(
+        policy=args.policy, engines=engines, services=services, session_idle_s=args.session_idle_s,
+        load=LoadModel(args.running_cost_tokens, args.max_running_per_engine), max_attempts=args.max_attempts,
+        resolve_interval_s=args.resolve_interval_s, health_interval_s=args.health_interval_s,
+        sync_timeout_s=args.sync_timeout_s)
+
+
+def handler(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("kvmesh.router")
+    try:
+        settings = settings_from_args(args)
+        tokenizer = None
+        from kvmesh.engine.router.policies import uses_prefix
+
+        source = tokenizer_source(args) if uses_prefix(args.policy) else None
+    except RouterArgsError as e:
+        print(f"kvmesh router: {e}", file=sys.stderr)
+        return 2
+    if source is not None:
+        try:
+            tokenizer = load_tokenizer(source)
+        except Exception as e:  # noqa: BLE001 - routing by load beats a crash-looping front door
+            log.error("cannot load the tokenizer (%s); policy %s routes by load only until restarted with "
+                      "--model-path pointing at the engines' model", e, args.policy)
+    if args.prefill_service:
+        log.info("prefill service %s noted; requests go to the decode pool until disaggregated serving lands",
+                 args.prefill_service)
+    import uvicorn
+
+    from kvmesh.engine.router.app import RouterApp
+
+    app = RouterApp(settings, tokenizer)
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", http="httptools",
+                            lifespan="on", log_level=args.log_level, access_log=args.access_log,
+                            timeout_graceful_shutdown=30)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1

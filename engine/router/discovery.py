@@ -1,0 +1,301 @@
+"""Which engines exist, which are healthy, and what each has cached.
+
+Sources are a fixed URL list (``--engines``) or headless Services (``--decode-service
+HOST:PORT``) whose DNS name resolves to one address per ready pod; services are re-resolved
+every ``resolve_interval_s``. Each engine is probed on ``/ready`` every ``health_interval_s``;
+a refused connection or a 503 (from a probe or from a proxied request) takes it out until a
+probe succeeds again. For a healthy engine the fleet reads ``/kv/info`` once and runs a KV
+event subscriber that keeps the shared ``PrefixIndex`` in step with the engine's cache.
+
+Invariants: the index holds entries only for engines in the fleet (a removed engine's
+subscriber is stopped and its entries are freed); ``ready()`` is true only once every healthy
+engine that publishes KV events has had its first snapshot applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kvmesh.engine.kv.events import KVEventRecord, KVSnapshot
+from kvmesh.engine.router.index import PrefixIndex
+from kvmesh.engine.router.policies import Endpoint
+
+log = logging.getLogger("kvmesh.router.discovery")
+
+
+class DiscoveryError(ValueError):
+    """A discovery source is malformed (the message names it and the expected form)."""
+
+
+@dataclass(frozen=True)
+class ServiceSource:
+    """A DNS name to resolve to engine addresses, all serving on ``port``."""
+
+    host: str
+    port: int
+
+
+def parse_hostport(text: str, flag: str) -> ServiceSource:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6 literals) as a ``ServiceSource``."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DiscoveryError(f"{flag} {text!r}: expected HOST:PORT, e.g. llm-decode.serving.svc:8000")
+    return ServiceSource(host, int(port))
+
+
+def parse_engine_urls(text: str) -> list[str]:
+    """``--engines`` as normalized base URLs (no trailing slash)."""
+    urls = [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise DiscoveryError(f"--engines: {u!r} is not an http(s) URL, e.g. http://127.0.0.1:8001")
+    if not urls:
+        raise DiscoveryError("--engines: give at least one engine URL")
+    return urls
+
+
+def url_for(address: str, port: int) -> str:
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+
+
+def membership_change(current: Iterable[str], wanted: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(added, removed) engine URLs, each sorted."""
+    cur, want = set(current), set(wanted)
+    return sorted(want - cur), sorted(cur - want)
+
+
+def engine_load_from_metrics(text: str) -> int | None:
+    """Running + waiting sequences from an engine's ``/metrics`` text (None if absent).
+
+    A line scan instead of a full exposition parse: it runs every probe interval per engine.
+    """
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(("kvmesh_num_requests_running", "kvmesh_num_requests_waiting")):
+            with contextlib.suppress(ValueError, IndexError):
+                total += float(line.rsplit(" ", 1)[1])
+                seen = True
+    return int(total) if seen else None
+
+
+@dataclass
+class EngineState:
+    """One engine as the router sees it. ``inflight`` and ``queued_prefill_tokens`` are the
+    router's own accounting; ``reported_load`` is the engine's last scraped running+waiting."""
+
+    url: str
+    healthy: bool = False
+    draining: bool = False
+    inflight: int = 0
+    queued_prefill_tokens: int = 0
+    reported_load: int = 0
+    info: dict[str, Any] | None = None
+    subscriber: Any = None
+    task: asyncio.Task | None = None
+
+    @property
+    def block_size(self) -> int | None:
+        return int(self.info["block_size"]) if self.info else None
+
+    @property
+    def extra(self) -> bytes | None:
+        return bytes.fromhex(self.info["extra_key"]) if self.info and self.info.get("extra_key") else None
+
+    @property
+    def synced(self) -> bool:
+        """Initial KV state loaded (engines that publish no events count as synced)."""
+        if self.info is None:
+            return False
+        return self.subscriber is None or self.subscriber.synced.is_set()
+
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.url, self.healthy, self.draining, max(self.inflight, self.reported_load),
+                        self.queued_prefill_tokens)
+
+
+SubscriberFactory = Callable[[str, dict[str, Any], Callable[..., None], Callable[[KVSnapshot], None]], Any]
+
+
+def default_subscriber_factory(url: str, info: dict[str, Any], on_event: Callable[..., None],
+                               on_reset: Callable[[KVSnapshot], None]) -> Any:
+    from kvmesh.engine.kv.event_subscriber import KVEventSubscriber
+
+    return KVEventSubscriber.from_info(url, info, on_event, on_reset)
+
+
+@dataclass
+class Fleet:
+    """The engine pool: membership, health, load reports and the prefix index they feed."""
+
+    session: aiohttp.ClientSession
+    urls: list[str] = field(default_factory=list)
+    services: list[ServiceSource] = field(default_factory=list)
+    track_kv: bool = True
+    resolve_interval_s: float = 5.0
+    health_interval_s: float = 2.0
+    probe_timeout_s: float = 2.0
+    subscriber_factory: SubscriberFactory = default_subscriber_factory
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+    engines: dict[str, EngineState] = field(default_factory=dict)
+    on_removed: Callable[[str], None] = lambda url: None
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.urls and not self.services:
+            raise DiscoveryError("no engines to route to: pass --engines URL,... or --decode-service HOST:PORT")
+
+    # ---- views ---------------------------------------------------------------------------
+    def endpoints(self) -> list[Endpoint]:
+        return [e.endpoint() for e in self.engines.values()]
+
+    def num_healthy(self) -> int:
+        return sum(1 for e in self.engines.values() if e.healthy)
+
+    def ready(self) -> bool:
+        healthy = [e for e in self.engines.values() if e.healthy]
+        return bool(healthy) and all(e.synced for e in healthy)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Resolve and probe once, then keep doing both in the background."""
+        await self.refresh_members()
+        await self.probe_all()
+        self._tasks = [asyncio.create_task(self._every(self.health_interval_s, self.probe_all))]
+        if self.services:
+            self._tasks.append(asyncio.create_task(self._every(self.resolve_interval_s, self.refresh_members)))
+
+    async def wait_synced(self, timeout_s: float) -> bool:
+        """Wait until ``ready()`` (True) or ``timeout_s`` passes (False)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.ready():
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        for url in list(self.engines):
+            await self._remove(url)
+
+    async def _every(self, interval: float, fn: Callable[[], Any]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await fn()
+            except Exception:  # noqa: BLE001 - a failed round must not end discovery
+                log.exception("router discovery round failed")
+
+    # ---- membership ----------------------------------------------------------------------
+    async def resolve(self) -> list[str]:
+        """Every engine URL the sources name now (a failed lookup yields no addresses)."""
+        urls = list(self.urls)
+        loop = asyncio.get_running_loop()
+        for src in self.services:
+            try:
+                infos = await loop.getaddrinfo(src.host, src.port, type=socket.SOCK_STREAM)
+            except OSError as e:
+                log.warning("cannot resolve %s: %s", src.host, e)
+                continue
+            urls.extend(url_for(str(sa[0]), src.port) for *_, sa in infos)
+        return sorted(set(urls))
+
+    async def refresh_members(self) -> None:
+        added, removed = membership_change(self.engines, await self.resolve())
+        for url in removed:
+            log.info("engine %s left the pool", url)
+            await self._remove(url)
+        for url in added:
+            log.info("engine %s joined the pool", url)
+            self.engines[url] = EngineState(url)
+
+    async def _remove(self, url: str) -> None:
+        state = self.engines.pop(url, None)
+        if state is None:
+            return
+        await self._stop_subscriber(state)
+        self.index.remove_engine(url)
+        self.on_removed(url)
+
+    # ---- health --------------------------------------------------------------------------
+    def mark_failed(self, url: str, why: str) -> None:
+        """Take an engine out now (a refused connection or a 503 seen by the proxy)."""
+        state = self.engines.get(url)
+        if state is not None and state.healthy:
+            log.warning("engine %s taken out: %s", url, why)
+            state.healthy = False
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(s) for s in list(self.engines.values())))
+
+    async def probe(self, state: EngineState) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
+        try:
+            async with self.session.get(state.url + "/ready", timeout=timeout) as r:
+                body = await r.json(content_type=None) if r.status in (200, 503) else {}
+                ok = r.status == 200
+            state.draining = isinstance(body, dict) and body.get("state") == "draining"
+            if ok and state.info is None:
+                await self._load_info(state, timeout)
+            if ok:
+                async with self.session.get(state.url + "/metrics", timeout=timeout) as r:
+                    if r.status == 200:
+                        load = engine_load_from_metrics(await r.text())
+                        state.reported_load = load if load is not None else state.reported_load
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            ok = False
+            if state.healthy:
+                log.warning("engine %s failed its probe: %s", state.url, e or type(e).__name__)
+        if ok and not state.healthy:
+            log.info("engine %s is healthy", state.url)
+        state.healthy = ok
+
+    async def _load_info(self, state: EngineState, timeout: aiohttp.ClientTimeout) -> None:
+        async with self.session.get(state.url + "/kv/info", timeout=timeout) as r:
+            if r.status == 404:
+                state.info = {}  # an engine without KV info: routed by load only
+                return
+            r.raise_for_status()
+            state.info = await r.json()
+        if self.track_kv and state.info.get("kv_events"):
+            self._start_subscriber(state)
+
+    def _start_subscriber(self, state: EngineState) -> None:
+        url, index = state.url, self.index
+
+        def on_reset(snap: KVSnapshot) -> None:
+            index.reset(url, snap)
+
+        def on_event(*args: Any) -> None:
+            rec = args[-1]
+            index.apply(url, rec.event if isinstance(rec, KVEventRecord) else rec)
+
+        sub = self.subscriber_factory(url, state.info or {}, on_event, on_reset)
+        if sub is None:
+            return
+        state.subscriber = sub
+        state.task = asyncio.create_task(sub.run(), name=f"kv-events {url}")
+
+    async def _stop_subscriber(self, state: EngineState) -> None:
+        if state.subscriber is not None:
+            await state.subscriber.stop()
+        if state.task is not None:
+            state.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await state.task
+        state.subscriber = state.task = None

@@ -1,0 +1,100 @@
+"""From a request body to what routing needs: prompt tokens and their block hash chain.
+
+Tokenization calls the engine's own code (``params.completion_prompt_ids``,
+``params.chat_prompt_ids`` with the engine's ``Tokenizer``), and hashing the engine's own
+``hash_blocks`` with the block size and extra key each engine reports in ``/kv/info``, so a
+hash the router computes is the hash the engine publishes for the same tokens.
+
+Analysis never rejects a request: a body the router cannot parse or tokenize is routed without
+prefix information and the engine answers it (so 4xx bodies always come from the engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import pydantic
+
+from kvmesh.engine.kv.block_hash import BlockHash, hash_blocks
+from kvmesh.engine.server import params
+from kvmesh.engine.server.errors import APIError
+from kvmesh.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class PromptInfo:
+    """The routing-relevant part of one request.
+
+    ``token_ids`` is the first prompt's tokens (a multi-prompt completions request goes to one
+    engine, and its first prompt stands for the rest), or None when unknown; ``user`` is the
+    body's ``user`` field (a session key).
+    """
+
+    token_ids: list[int] | None = None
+    user: str | None = None
+    num_prompt_tokens: int = 0
+    _hashes: dict[tuple[int, bytes], list[BlockHash]] = field(default_factory=dict, compare=False)
+
+    def hashes(self, block_size: int, extra: bytes) -> list[BlockHash]:
+        """The prompt's block hash chain for one (block size, extra key); memoized per pair."""
+        if self.token_ids is None:
+            return []
+        key = (block_size, extra)
+        got = self._hashes.get(key)
+        if got is None:
+            got = self._hashes[key] = hash_blocks(self.token_ids, block_size, extra)
+        return got
+
+
+_json = msgspec.json.Decoder()
+
+
+def _user_of(body: bytes) -> str | None:
+    try:
+        doc = _json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    user = doc.get("user") if isinstance(doc, dict) else None
+    return user if isinstance(user, str) else None
+
+
+def analyze(path: str, body: bytes, tokenizer: Any | None) -> PromptInfo:
+    """Tokenize ``body`` as the engine will; without a tokenizer only ``user`` is read."""
+    if tokenizer is None:
+        return PromptInfo(user=_user_of(body))
+    try:
+        if path == CHAT:
+            chat = ChatCompletionRequest.model_validate_json(body)
+            ids = params.chat_prompt_ids(tokenizer, chat)
+            return PromptInfo(ids, chat.user, len(ids))
+        if path == COMPLETIONS:
+            comp = CompletionRequest.model_validate_json(body)
+            prompts = params.completion_prompt_ids(tokenizer, comp)
+            return PromptInfo(prompts[0], comp.user, sum(len(p) for p in prompts))
+    except (pydantic.ValidationError, APIError, ValueError, TypeError):
+        pass
+    return PromptInfo(user=_user_of(body))
+
+
+def matched_tokens(num_blocks: int, block_size: int, prompt_tokens: int) -> int:
+    """Prompt tokens an engine can skip given ``num_blocks`` matched blocks.
+
+    The engine always computes the prompt's last token itself (it needs its logits), so it
+    looks up at most ``(prompt_tokens - 1) // block_size`` whole blocks.
+    """
+    return max(0, min(num_blocks, (prompt_tokens - 1) // block_size)) * block_size
+
+
+def common_hash_spec(specs: Sequence[tuple[int | None, bytes | None]]) -> tuple[int, bytes] | None:
+    """The (block size, extra key) most engines report, ignoring engines without one."""
+    counts: dict[tuple[int, bytes], int] = {}
+    for bs, extra in specs:
+        if bs and extra is not None:
+            counts[(bs, extra)] = counts.get((bs, extra), 0) + 1
+    return max(counts, key=lambda k: counts[k]) if counts else None

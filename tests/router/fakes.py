@@ -1,0 +1,145 @@
+"""Fake engines and a server thread for the router's integration tests.
+
+``FakeEngine`` is a plain ASGI app that speaks the slice of the engine's HTTP API the router
+uses (/ready, /metrics, /kv/info, /v1/models, /v1/completions, /v1/chat/completions) with
+scripted behaviours: answer normally, answer a fixed status, die before or after the first
+stream chunk, or stream slowly and record that the client went away. It is served by a real
+uvicorn server on 127.0.0.1, so the router's upstream connections are real TCP connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+
+from kvmesh.engine.kv.block_hash import extra_key
+
+EXTRA = extra_key("fake-model", "bfloat16")
+BLOCK_SIZE = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Behavior:
+    mode: str = "ok"  # ok | status | die_before_first | die_midstream | slow
+    status: int = 200
+    body: dict[str, Any] | None = None
+    chunks: int = 3
+    ready: bool = True
+    cached_tokens: int = 0
+
+
+@dataclass
+class FakeEngine:
+    name: str
+    behavior: Behavior = field(default_factory=Behavior)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    url: str = ""
+    kv_events: dict[str, Any] | None = None  # what /kv/info reports (None: publishes no events)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path == "/ready":
+            ok = self.behavior.ready
+            return await _json(send, 200 if ok else 503, {"ready": ok, "state": "ready" if ok else "loading"})
+        if path == "/metrics":
+            return await _text(send, 200, "kvmesh_num_requests_running 0\nkvmesh_num_requests_waiting 0\n")
+        if path == "/kv/info":
+            return await _json(send, 200, {"engine_id": self.name, "block_size": BLOCK_SIZE,
+                                           "hash_function": "sha256", "extra_key": EXTRA.hex(), "kv_events": self.kv_events})
+        if path.startswith("/v1/models"):
+            return await _json(send, 200, {"object": "list", "data": [{"id": "fake-model", "owned_by": self.name}]})
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        req = json.loads(body)
+        self.requests.append(req)
+        b = self.behavior
+        if b.mode == "status":
+            return await _json(send, b.status, b.body or {"error": {"message": "scripted", "type": "x",
+                                                                   "param": None, "code": "scripted"}})
+        if b.mode == "die_before_first":
+            # Headers out, then the connection drops before any body byte (an exception before
+            # the head would make uvicorn answer a clean 500 instead).
+            ctype = b"text/event-stream" if req.get("stream") else b"application/json"
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype)]})
+            raise RuntimeError("scripted death before the first byte")
+        usage = {"prompt_tokens": 10, "completion_tokens": b.chunks, "total_tokens": 10 + b.chunks,
+                 "prompt_tokens_details": {"cached_tokens": b.cached_tokens}}
+        if not req.get("stream"):
+            return await _json(send, 200, {"id": "x", "object": "text_completion", "model": "fake-model",
+                                           "engine": self.name, "choices": [{"index": 0, "text": "abc"}],
+                                           "usage": usage})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(b.chunks):
+            if b.mode == "die_midstream" and i == 1:
+                raise RuntimeError("scripted death mid-stream")
+            chunk = {"engine": self.name, "choices": [{"index": 0, "text": f"t{i}"}]}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                        "more_body": True})
+            if b.mode == "slow":
+                # Watch for the client leaving while we "generate".
+                try:
+                    msg = await asyncio.wait_for(receive(), 0.2)
+                    if msg["type"] == "http.disconnect":
+                        self.aborted.append(req.get("prompt", ""))
+                        return
+                except asyncio.TimeoutError:
+                    pass
+        tail = f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n" if req.get("stream_options") else ""
+        await send({"type": "http.response.body", "body": (tail + "data: [DONE]\n\n").encode()})
+
+
+async def _json(send: Any, status: int, doc: Any) -> None:
+    body = json.dumps(doc).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _text(send: Any, status: int, text: str) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": text.encode()})
+
+
+class ServerThread:
+    """A uvicorn server for ``app`` on 127.0.0.1 in a background thread with its own loop."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="auto",
+                                loop="asyncio", http="httptools")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self, timeout: float = 30) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server on port {self.port} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
