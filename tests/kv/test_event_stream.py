@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -117,8 +118,7 @@ def test_publisher_restart_resyncs():
         pub1.start(log1)
 
         async def main():
-            nonlocal pub1
-            async with following(pub, snap) as (sub, mirror):
+            async with following(pub1, snap) as (sub, mirror):
                 publish_random(log1, 300, seed=6)
                 await converged(log1, sub, mirror)
                 pub1.close()
@@ -137,7 +137,6 @@ def test_publisher_restart_resyncs():
                 finally:
                     pub2.close()
 
-        pub = pub1
         asyncio.run(main())
 
 
@@ -217,7 +216,6 @@ def test_pub_messages_are_topic_seq_payload():
         sub.connect(pub.endpoint)
         try:
             pub.start(log)
-            import time
             time.sleep(0.3)  # PUB drops what it sends before the subscription arrives
             publish_random(log, 5, seed=9)
             got = [sub.recv_multipart() for _ in range(5)]
@@ -240,8 +238,6 @@ def test_bind_error_names_the_port_and_the_flag():
 
 
 def test_close_is_prompt_and_idempotent():
-    import time
-
     log = KVEventLog("engine-c")
     pub = KVEventPublisher("127.0.0.1", free_port_pair())
     pub.start(log)
