@@ -50,10 +50,14 @@ class ServerApp:
         self.app = self._build()
 
     def served_names(self) -> list[str]:
+        """--served-model-name values if given; else the model's own name first, then the
+        name the server was started with (`--model default`, a path) as an alias."""
         if self._names_override:
             return self._names_override
         engine = self.aengine.engine
-        return [engine.model_config.name] if engine is not None else []
+        if engine is None:
+            return []
+        return list(dict.fromkeys([engine.model_config.name, engine.config.model]))
 
     def _on_loaded(self) -> None:
         names = self.served_names()

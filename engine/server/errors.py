@@ -48,8 +48,9 @@ def unsupported_parameter(param: str, detail: str = "") -> APIError:
                     "unsupported_parameter", param)
 
 
-def context_length_exceeded(message: str) -> APIError:
-    return APIError(message, 400, "invalid_request_error", "context_length_exceeded", "messages")
+def context_length_exceeded(message: str, param: str = "messages") -> APIError:
+    """`param`: the request field holding the prompt ("messages" for chat, "prompt" for completions)."""
+    return APIError(message, 400, "invalid_request_error", "context_length_exceeded", param)
 
 
 def model_not_found(model: str, served: list[str]) -> APIError:

@@ -61,13 +61,13 @@ class ChoiceState:
     text_offset: int = 0
 
 
-def engine_error(exc: Exception) -> APIError:
+def engine_error(exc: Exception, prompt_param: str = "messages") -> APIError:
     """Map an engine validation error from add_request to its API error."""
     from kvmesh.engine.engine import DuplicateRequestError, PromptTooLongError
     from kvmesh.engine.sampling import InvalidSamplingParams
 
     if isinstance(exc, PromptTooLongError):
-        return errors.context_length_exceeded(str(exc))
+        return errors.context_length_exceeded(str(exc), prompt_param)
     if isinstance(exc, DuplicateRequestError):
         return errors.internal_error(str(exc))
     if isinstance(exc, (InvalidSamplingParams, ValueError)):
@@ -131,8 +131,9 @@ class Serving:
         limits = self._limits()
         requested = max_tokens if max_tokens is not None else req.max_tokens
         out: list[params.ChoiceSpec] = []
+        prompt_param = "prompt" if isinstance(req, CompletionRequest) else "messages"
         for pi, ids in enumerate(prompts):
-            mt = params.resolve_max_tokens(requested, default_max, len(ids), limits)
+            mt = params.resolve_max_tokens(requested, default_max, len(ids), limits, prompt_param)
             base = params.sampling_params(req, mt, logprobs)
             for spec in params.expand_choices(base, req.n, 1):
                 out.append(params.ChoiceSpec(index=pi * req.n + spec.index, prompt_index=pi, params=spec.params))
@@ -146,7 +147,7 @@ class Serving:
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 - engine validation errors become 4xx
-            raise engine_error(e) from None
+            raise engine_error(e, "prompt" if prep.kind == "completion" else "messages") from None
 
     async def respond(self, prep: Prepared, request: Request, arrival_time: float) -> Response | EventStreamResponse:
         group = self.submit(prep, arrival_time)

@@ -56,22 +56,36 @@ def derive_seed(seed: int | None, choice: int) -> int | None:
     return int.from_bytes(digest[:8], "little") % _SEED_SPACE
 
 
-def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, limits: Limits) -> int:
+def check_text(text: str, param: str) -> str:
+    """Refuse text that is not valid Unicode (a lone surrogate such as "\\ud800" in JSON):
+    it cannot be tokenized, and it is the client's error, so a 400 naming `param`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise errors.invalid_request(
+            f"'{param}' is not valid Unicode text: it holds a lone surrogate "
+            f"{text[e.start]!r} at position {e.start}", param) from None
+    return text
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, limits: Limits,
+                       prompt_param: str = "messages") -> int:
     """How many tokens to generate; raise a 400 naming the limit when prompt + max_tokens does not fit.
 
-    `default=None` means "up to the end of the context" (chat).
+    `default=None` means "up to the end of the context" (chat). `prompt_param` is the field the
+    400 names: "messages" for chat, "prompt" for completions.
     """
     if requested is not None and requested < 1:
         raise errors.invalid_request(f"max_tokens must be at least 1, got {requested}", "max_tokens")
     room = limits.max_total_tokens - prompt_len
     if requested is None and default is None:
         if room < 1:
-            raise errors.context_length_exceeded(_too_long(prompt_len, None, limits))
+            raise errors.context_length_exceeded(_too_long(prompt_len, None, limits), prompt_param)
         return room
     max_tokens = requested if requested is not None else default
     assert max_tokens is not None
     if prompt_len + max_tokens > limits.max_total_tokens:
-        raise errors.context_length_exceeded(_too_long(prompt_len, max_tokens, limits))
+        raise errors.context_length_exceeded(_too_long(prompt_len, max_tokens, limits), prompt_param)
     return max_tokens
 
 
@@ -142,6 +156,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                         f"messages.{i}.content", f"content part type {part.type!r} (only text is served)")
                 parts.append(part.text)
             text = "".join(parts)
+        check_text(text, f"messages.{i}.content")
         out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
     return out
 
@@ -154,7 +169,7 @@ def completion_prompt_ids(tokenizer: Tokenizer, req: CompletionRequest) -> list[
     """
     prompts: list[list[int]] = []
     for i, p in enumerate(req.prompts()):
-        ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
+        ids = tokenizer.encode(check_text(p, "prompt")) if isinstance(p, str) else list(p)
         if not ids:
             raise errors.invalid_request(f"prompt {i} is empty; send at least one token", "prompt")
         prompts.append(ids)
