@@ -344,9 +344,13 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     Native for bf16/fp32 CPU rows: torch's argmax runs on one thread, and at a 49k-word
     vocabulary it costs more per decode step than every RMSNorm of the model together.
     """
-    lib = load_library()
-    if lib is None or x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1 \
+    # Shape and device first: load_library() compiles the library on first use, which a CUDA
+    # tensor (or any other that cannot take the native path) must never trigger.
+    if x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1 \
             or x.dtype not in (torch.bfloat16, torch.float32) or x.shape[1] == 0:
+        return x.argmax(dim=-1)
+    lib = load_library()
+    if lib is None:
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     fn = lib.kvmesh_argmax_bf16 if x.dtype == torch.bfloat16 else lib.kvmesh_argmax_f32

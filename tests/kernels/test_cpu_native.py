@@ -209,3 +209,14 @@ def test_decode_step_matches_rope_then_attention(hq, hkv, head_dim):
                                       head_dim ** -0.5)
     assert torch.equal(caches[0], batch.k_cache) and torch.equal(caches[1], batch.v_cache)
     torch.testing.assert_close(got.view(b, hq, head_dim).float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_argmax_rows_never_builds_the_library_for_a_non_cpu_tensor(monkeypatch):
+    """The native library is compiled on first use; a CUDA (here: meta) tensor must not trigger that."""
+    def no_build():
+        raise AssertionError("load_library called for a tensor the native kernel cannot take")
+
+    monkeypatch.setattr(nat, "load_library", no_build)
+    x = torch.empty(3, 50, device="meta")
+    assert nat.argmax_rows(x).shape == (3,)
+    assert torch.equal(nat.argmax_rows(torch.tensor([[1, 5, 2]])), torch.tensor([1]))  # int rows: torch path
