@@ -234,6 +234,8 @@ def test_cache_aware_sends_a_request_to_the_engine_holding_its_prefix(cluster_fa
         assert c.metric(err + "_count") == 4
         assert c.metric(err + "_bucket", le="16.0") == 4 and c.metric(err + "_bucket", le="1.0") == 1
         assert c.metric("kvmesh_router_decision_latency_seconds_count") == 4
+        # A long body is tokenized off the event loop; it routes by its prefix all the same.
+        assert completion(c.url, prompt + " and more" * 1000).json()["engine"] == "b"
     finally:
         c.stop()
 

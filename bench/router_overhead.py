@@ -1,0 +1,141 @@
+"""What the router adds per request, measured in isolation (docs/router.md quotes the output).
+
+1. Upstream client: sequential small POSTs to a minimal loopback upstream with aiohttp
+   (pooled ClientSession) and with httpx (pooled AsyncClient), the choice behind the proxy.
+2. Decision cost of cache-aware routing: tokenize a chat prompt with the engines' own code
+   (the default model's tokenizer and chat template), hash its blocks, look it up in an index
+   holding 2 engines x 4096 blocks, run the policy. Prompt sizes 256, 1024, 4096 tokens.
+3. Added latency: the same tiny request direct to a fake engine and through the router
+   (round-robin and cache-aware with a real tokenizer), alternating, p50 and p99.
+
+  .venv/bin/python bench/router_overhead.py          (run from outside the repository root)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.router.fakes
+
+import aiohttp  # noqa: E402
+import httpx  # noqa: E402
+
+from kvmesh.engine.kv.events import KVSnapshot  # noqa: E402
+from kvmesh.engine.router.app import RouterApp, RouterSettings  # noqa: E402
+from kvmesh.engine.router.cli import load_tokenizer  # noqa: E402
+from kvmesh.engine.router.index import PrefixIndex  # noqa: E402
+from kvmesh.engine.router.policies import Endpoint, RouteRequest, build_policy  # noqa: E402
+from kvmesh.engine.router.prompt import CHAT, analyze  # noqa: E402
+from tests.router.fakes import EXTRA, FakeEngine, ServerThread  # noqa: E402
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    return {"p50_ms": round(pct(xs, 50) * 1e3, 3), "p99_ms": round(pct(xs, 99) * 1e3, 3),
+            "mean_ms": round(statistics.fmean(xs) * 1e3, 3)}
+
+
+async def bench_clients(url: str, n: int) -> dict[str, dict[str, float]]:
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    out = {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        lat = []
+        for i in range(n + 50):
+            t = time.perf_counter()
+            async with s.post(url + "/v1/completions", data=body,
+                              headers={"content-type": "application/json"}) as r:
+                await r.read()
+            if i >= 50:
+                lat.append(time.perf_counter() - t)
+        out["aiohttp"] = summary(lat)
+    async with httpx.AsyncClient() as c:
+        lat = []
+        for i in range(n + 50):
+            t = time.perf_counter()
+            r = await c.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+            r.read()
+            if i >= 50:
+                lat.append(time.perf_counter() - t)
+        out["httpx"] = summary(lat)
+    return out
+
+
+def bench_decision(tokenizer, n: int) -> dict[str, dict[str, float]]:
+    words = ("the quick brown fox jumps over the lazy dog while the router hashes every block " * 400).split()
+    index = PrefixIndex()
+    policy = build_policy("cache-aware")
+    out = {}
+    for target in (256, 1024, 4096):
+        text = " ".join(words[:int(target * 0.8)])
+        body = json.dumps({"messages": [{"role": "system", "content": text},
+                                        {"role": "user", "content": "question?"}]}).encode()
+        probe = analyze(CHAT, body, tokenizer)
+        hashes = probe.hashes(16, EXTRA)
+        for e in ("a", "b"):
+            index.reset(e, KVSnapshot(1, e, {"gpu": frozenset(hashes[: len(hashes) // (2 if e == "a" else 1)])}))
+        tok, hsh, rest = [], [], []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            info = analyze(CHAT, body, tokenizer)
+            t1 = time.perf_counter()
+            hs = info.hashes(16, EXTRA)
+            t2 = time.perf_counter()
+            matches = index.longest_prefix(hs)
+            policy.choose(RouteRequest(info.num_prompt_tokens, 16, matches), [Endpoint("a"), Endpoint("b")], 0)
+            t3 = time.perf_counter()
+            tok.append(t1 - t0)
+            hsh.append(t2 - t1)
+            rest.append(t3 - t2)
+        out[f"{probe.num_prompt_tokens}_tokens"] = {"tokenize_ms": summary(tok)["p50_ms"],
+                                                    "hash_ms": summary(hsh)["p50_ms"],
+                                                    "index_and_policy_ms": summary(rest)["p50_ms"]}
+    return out
+
+
+def bench_added_latency(engine_url: str, router_url: str, n: int) -> dict[str, dict[str, float]]:
+    body = {"prompt": "hi", "max_tokens": 1}
+    direct, routed = [], []
+    with httpx.Client() as c:
+        for i in range(n + 50):
+            for url, acc in ((engine_url, direct), (router_url, routed)):
+                t = time.perf_counter()
+                c.post(url + "/v1/completions", json=body).raise_for_status()
+                if i >= 50:
+                    acc.append(time.perf_counter() - t)
+    d, r = summary(direct), summary(routed)
+    return {"direct": d, "router": r, "added_p50_ms": round(r["p50_ms"] - d["p50_ms"], 3),
+            "added_p99_ms": round(r["p99_ms"] - d["p99_ms"], 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=1000)
+    args = ap.parse_args()
+    engine = ServerThread(FakeEngine("e")).start()
+    results: dict[str, object] = {"upstream_client": asyncio.run(bench_clients(engine.url, args.requests))}
+    tokenizer = load_tokenizer("default")
+    results["decision_p50"] = bench_decision(tokenizer, 200)
+    for policy in ("round-robin", "cache-aware"):
+        app = RouterApp(RouterSettings(policy=policy, engines=(engine.url,)), tokenizer)
+        router = ServerThread(app).start()
+        try:
+            results[f"added_latency_{policy}"] = bench_added_latency(engine.url, router.url, args.requests)
+        finally:
+            router.stop()
+    engine.stop()
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
