@@ -22,7 +22,7 @@ CASES = {
     "llama3-rope-scaling": ("llama", {"rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}}),
-    "llama-untied": ("llama", {"tie_word_embeddings": False}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),  # the tiny models are untied by default
     "mistral": ("mistral", {}),
     "qwen2-qkv-bias": ("qwen2", {}),
     "qwen3-qk-norm": ("qwen3", {}),
