@@ -8,23 +8,31 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import re
 import sys
+from fractions import Fraction
 
 ROLES = ("both", "prefill", "decode")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
-          "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+# A number, an optional exponent ("1e9", as Kubernetes quantities allow), then a unit.
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*([kmgtpe]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1} | {p + s: 2**(10 * i) if s.startswith("i") else 10**(3 * i)
+                            for i, p in enumerate("kmgtpe", start=1) for s in ("", "b", "i", "ib")}
 
 
 def parse_size(text: str) -> int:
-    """Bytes from "2GiB", "512MiB", "1.5G", "1000000" (K/M/G/T are decimal, Ki/Mi/Gi/Ti binary)."""
+    """Bytes from "2GiB", "512MiB", "1.5G", "1000000", or a Kubernetes quantity ("8Gi", "64M", "1e9").
+
+    K/M/G/T/P/E are decimal, Ki/Mi/Gi/Ti/Pi/Ei binary; case and a trailing "B" are ignored, so a
+    lowercase "m" means mega here (never Kubernetes' milli: a byte count has no fractions).
+    Fractions round up to a whole byte.
+    """
     m = _SIZE.match(text)
-    unit = (m.group(2) or "").lower() if m else None
+    unit = (m.group(3) or "").lower() if m else None
     if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1000000)")
-    n = int(float(m.group(1)) * _UNITS[unit])
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 8Gi, 1000000)")
+    value = Fraction(m.group(1)) * Fraction(10) ** int(m.group(2) or 0) * _UNITS[unit]
+    n = math.ceil(value)
     if n <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
     return n

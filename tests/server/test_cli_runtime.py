@@ -19,7 +19,10 @@ from .fakes import FakeEngine
 
 
 @pytest.mark.parametrize("text,expected", [("1000", 1000), ("2GiB", 2 << 30), ("512MiB", 512 << 20),
-                                           ("1.5G", 1_500_000_000), ("64 kib", 65536)])
+                                           ("1.5G", 1_500_000_000), ("64 kib", 65536),
+                                           # Kubernetes quantities, as the CRD's cache.memory holds them
+                                           ("8Gi", 8 << 30), ("64M", 64_000_000), ("1e9", 10**9),
+                                           ("0.5Ki", 512), ("2Pi", 2 << 50), ("1E", 10**18)])
 def test_parse_size(text, expected):
     assert cli.parse_size(text) == expected
 
