@@ -28,6 +28,7 @@ from typing import Any, Mapping
 import yaml
 
 from . import spec as s
+from .autoscaler import autoscaled_pools
 from .quantity import add_bytes, format_bytes, parse_quantity
 
 ENGINE_PORT = 8000
@@ -159,6 +160,12 @@ def engine_config(spec: s.InferenceSpec, owner: Owner) -> dict[str, Any]:
             "scaleUpStabilizationSeconds": a.scale_up_stabilization_seconds,
             "scaleDownStabilizationSeconds": a.scale_down_stabilization_seconds,
             "metricsWindowSeconds": a.metrics_window_seconds,
+            # The bounds of each pool the autoscaler resizes, as given (null: the
+            # pool's replicas, see autoscaler.bounds), so that a scale leaves
+            # this file unchanged.
+            "pools": {c: {"minReplicas": spec.component(c).min_replicas,
+                          "maxReplicas": spec.component(c).max_replicas}
+                      for c in autoscaled_pools(spec)},
         },
     }
 

@@ -210,3 +210,15 @@ def test_engines_publish_kv_events_on_exposed_ports(cr):
     for c in ("cache", "router"):
         assert "--kv-events-port" not in argv(objs, c)
         assert [p["name"] for p in container(objs, c)["ports"]] == ["http"]
+
+
+def test_configmap_carries_the_autoscaler_bounds_per_resized_pool():
+    cr = make_cr()
+    cr["spec"]["decode"].update({"minReplicas": 1, "maxReplicas": 6})
+    cr["spec"]["autoscaling"] = {"enabled": True}
+    cfg = yaml.safe_load(by_key(r.render_all(cr))[("ConfigMap", "llm-config")]["data"][r.CONFIG_FILE])
+    assert cfg["autoscaling"]["pools"] == {"prefill": {"minReplicas": None, "maxReplicas": None},
+                                          "decode": {"minReplicas": 1, "maxReplicas": 6}}
+    cr["spec"]["prefill"]["replicas"] = 0  # colocated: only the decode pool is resized
+    cfg = yaml.safe_load(by_key(r.render_all(cr))[("ConfigMap", "llm-config")]["data"][r.CONFIG_FILE])
+    assert set(cfg["autoscaling"]["pools"]) == {"decode"}
