@@ -1,0 +1,89 @@
+"""`kvmesh up` for real: two engines on the embedded model behind the router, driven by the
+official `openai` client, then stopped by SIGTERM.
+
+Real: the `kvmesh up` command, both engines (default model, fp32), their KV event streams, the
+router and its cache-aware policy, the HTTP between them. The expected tokens come from the
+offline engine in fp32, which tests/engine/test_parity_hf.py holds equal to HF transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.sampling import SamplingParams
+
+from .server.serverproc import free_port
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def platform():
+    run_dir = Path(tempfile.mkdtemp(prefix="kvmesh-up-test-"))
+    port, base, kv = free_port(), free_port(), free_port()
+    while kv + 3 >= 65536 or abs(kv - base) < 4:  # engines use base, base+1; kv .. kv+3
+        kv = free_port()
+    cmd = [sys.executable, "-m", "kvmesh", "up", "--engines", "2", "--port", str(port),
+           "--engine-base-port", str(base), "--kv-events-base-port", str(kv), "--status-interval", "0",
+           "--serve-arg=--dtype=float32", "--log-dir", str(run_dir)]
+    out = open(run_dir / "up.out", "w+")
+    proc = subprocess.Popen(cmd, cwd=run_dir, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 900
+    while "ready: OpenAI API" not in (run_dir / "up.out").read_text():
+        assert proc.poll() is None, (run_dir / "up.out").read_text()
+        assert time.monotonic() < deadline, (run_dir / "up.out").read_text()
+        time.sleep(0.5)
+    yield proc, f"http://127.0.0.1:{port}", run_dir
+    if proc.poll() is None:
+        proc.kill()
+    out.close()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from kvmesh.engine.llm import LLM
+
+    return LLM(EngineConfig(model="default", dtype="float32"))
+
+
+def test_chat_through_the_router_matches_the_offline_engine_and_hits_the_prefix_cache(platform, offline) -> None:
+    _proc, url, _ = platform
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    tok = offline.engine.tokenizer
+    for q in QUESTIONS:
+        messages = [{"role": "user", "content": q}]
+        want = offline.generate([tok.apply_chat_template(messages)],
+                                SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
+        first = client.chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS,
+                                               temperature=0)
+        again = client.chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS,
+                                               temperature=0)
+        assert first.choices[0].message.content == want.text
+        assert again.choices[0].message.content == want.text
+        # The router sent the repeat to the engine that cached the prompt.
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_sigterm_stops_every_process_and_exits_zero(platform) -> None:
+    proc, _url, run_dir = platform
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(120) == 0, (run_dir / "up.out").read_text()
+    text = (run_dir / "up.out").read_text()
+    pids = [int(line.split("pid")[1].split()[0]) for line in text.splitlines() if " pid " in line]
+    assert len(pids) == 3, text
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
