@@ -91,6 +91,9 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_steps: int
+    # Prompt tokens admitted but not yet computed (waiting and partly prefilled
+    # requests): the prefill backlog the autoscaler sizes prefill pools on.
+    queued_prefill_tokens: int = 0
 
 
 def _pick_backend(cfg: EngineConfig, device: torch.device) -> str:
@@ -332,4 +335,5 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             num_steps=self._num_steps,
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
         )

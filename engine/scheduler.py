@@ -74,6 +74,17 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens not yet computed, over waiting and partly prefilled running requests."""
+        n = 0
+        for _, _, req in self._waiting:
+            if req.status is RequestStatus.WAITING:
+                n += max(0, req.num_prompt_tokens - req.num_computed_tokens)
+        for req in self.running:
+            n += max(0, req.num_prompt_tokens - req.num_computed_tokens)
+        return n
+
     def has_unfinished(self) -> bool:
         return bool(self.running) or self._num_waiting > 0
 

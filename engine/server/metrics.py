@@ -137,6 +137,9 @@ class ServerMetrics:
         yield gauge_family("kvmesh_num_requests_running", "Sequences in the running batch.", s.num_running, model)
         yield gauge_family("kvmesh_num_requests_waiting", "Sequences waiting to be scheduled.",
                            s.num_waiting, model)
+        yield gauge_family("kvmesh_queued_prefill_tokens", "Prompt tokens admitted but not yet computed "
+                           "(waiting and partly prefilled requests).",
+                           s.queued_prefill_tokens, model)
         yield gauge_family("kvmesh_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", s.kv_usage, tier)
         yield gauge_family("kvmesh_kv_cache_blocks", "KV blocks in the pool.", s.num_kv_blocks, tier)
         yield gauge_family("kvmesh_kv_cache_free_blocks", "KV blocks not held by any request "

@@ -139,3 +139,18 @@ def test_random_workload_keeps_integrity_and_completes():
         s.kv.check_integrity()
     assert all(len(r.output_token_ids) == target[r.request_id] for r in reqs)
     assert s.kv.num_free_blocks == 24
+
+
+def test_queued_prefill_tokens_count_waiting_and_partly_prefilled_prompts():
+    s = _sched(budget=10, max_seqs=1)
+    a, b = _req("a", 25, 0), _req("b", 7, 1, base=100)
+    s.add(a)
+    s.add(b)
+    assert s.queued_prefill_tokens == 32
+    _run_step(s)  # 10 tokens of a computed; b still waits (one sequence at a time)
+    assert s.queued_prefill_tokens == 22
+    s.finish(b, "abort")
+    assert s.queued_prefill_tokens == 15
+    while not a.output_token_ids:
+        _run_step(s)
+    assert s.queued_prefill_tokens == 0
