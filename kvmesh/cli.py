@@ -12,6 +12,7 @@ _SUBCOMMANDS = (
     ("kvmesh.engine.server.cli", "add_serve_subcommand"),
     ("kvmesh.engine.router.cli", "add_router_subcommand"),
     ("kvmesh.engine.generate_cli", "add_generate_subcommand"),
+    ("kvmesh.engine.cachenode.cli", "add_cache_node_subcommand"),
     ("kvmesh.operator.cli", "add_operator_subcommand"),
     ("kvmesh.up", "add_up_subcommand"),
 )

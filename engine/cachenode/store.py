@@ -1,0 +1,235 @@
+"""The cache node's block store: blocks by hash in RAM, LRU, inside a byte budget. No I/O here.
+
+A put is two-phase so the budget also covers bytes still on the wire: ``offer`` decides per block
+(wanted, or already held/in flight, or refused) and reserves room for the wanted ones, evicting
+least recently used blocks first; ``commit`` stores a received block in its reservation;
+``abandon`` gives a reservation back when the transfer failed. ``put`` does both for callers
+that already hold the bytes.
+
+Invariants (``check_integrity`` asserts them):
+
+* ``used_bytes + reserved_bytes <= capacity_bytes`` at every point; a block larger than the whole
+  budget is refused (``TOO_LARGE``), never stored;
+* a hash is held at most once, and is either stored or pending (in flight), never both;
+* the LRU order is: least recently stored/read first; ``lookup`` does not refresh recency
+  (a probe is not a use), ``get`` does;
+* a hash that is stored or pending with one layout is never offered, stored or served under
+  another: that raises ``HeaderMismatch`` naming the field and counts a rejected header.
+
+Thread-safety: one lock around every method, so the HTTP side port (metrics, snapshot) may read
+while the transfer loop writes. Events (tier ``remote``) are emitted under that lock, in the
+order the contents change, so an event log's snapshot always matches the store.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from ..kv.block_hash import BlockHash
+from ..kv.events import TIER_REMOTE, BlockRemoved, BlockStored, KVEventHandler
+from ..transfer.errors import HeaderMismatch
+from ..transfer.header import BlockBatch, BlockHeader, BlockLayout, check_batch, check_layout
+from ..transfer.protocol import EXISTS, NO_ROOM, STORED, TOO_LARGE
+
+WANTED = None
+"""``offer`` verdict for a block whose bytes should be sent (room is reserved for it)."""
+
+
+@dataclass
+class StoreStats:
+    """Counters since start (blocks unless named bytes)."""
+
+    puts: int = 0
+    """Blocks stored."""
+    put_duplicates: int = 0
+    """Offered blocks already held or in flight (not sent again)."""
+    put_refused: int = 0
+    """Offered blocks refused (too large or no room)."""
+    put_aborted: int = 0
+    """Reservations given back because the transfer failed."""
+    lookups: int = 0
+    lookup_hits: int = 0
+    """Blocks found by lookups (sum of the returned prefix lengths)."""
+    gets: int = 0
+    """Blocks asked for by gets."""
+    hits: int = 0
+    """Blocks served by gets."""
+    evictions: int = 0
+    rejected_headers: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class StoredBlock:
+    header: BlockHeader
+    data: np.ndarray
+
+
+class BlockStore:
+    def __init__(self, capacity_bytes: int, on_event: KVEventHandler | None = None) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"cache capacity must be >= 1 byte, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._on_event = on_event
+        self._lock = threading.Lock()
+        self._blocks: OrderedDict[BlockHash, StoredBlock] = OrderedDict()  # oldest use first
+        self._pending: dict[BlockHash, BlockLayout] = {}
+        self._used = 0
+        self._reserved = 0
+        self.stats = StoreStats()
+
+    # ---- two-phase put ------------------------------------------------------------------------
+    def offer(self, batch: BlockBatch) -> list[str | None]:
+        """Per block: ``WANTED`` (room reserved; send it) or ``EXISTS``/``TOO_LARGE``/``NO_ROOM``.
+
+        Raises ``HeaderMismatch`` (nothing reserved) if the batch is malformed or names a hash held
+        under another layout.
+        """
+        with self._lock:
+            try:
+                check_batch(batch)
+                for h in batch.hashes:
+                    known = self._blocks.get(h)
+                    layout = known.header.layout if known is not None else self._pending.get(h)
+                    if layout is not None:
+                        check_layout(layout, batch.layout)
+            except HeaderMismatch:
+                self.stats.rejected_headers += 1
+                raise
+            size = batch.layout.nbytes
+            out: list[str | None] = []
+            for h in batch.hashes:
+                if h in self._blocks or h in self._pending:
+                    self.stats.put_duplicates += 1
+                    out.append(EXISTS)
+                elif size > self.capacity_bytes:
+                    self.stats.put_refused += 1
+                    out.append(TOO_LARGE)
+                elif not self._make_room(size):
+                    self.stats.put_refused += 1
+                    out.append(NO_ROOM)
+                else:
+                    self._reserved += size
+                    self._pending[h] = batch.layout
+                    out.append(WANTED)
+            return out
+
+    def commit(self, header: BlockHeader, data: np.ndarray) -> str:
+        """Store a block ``offer`` wanted; its reservation becomes used bytes. Returns ``STORED``."""
+        with self._lock:
+            layout = self._pending.pop(header.block_hash, None)
+            if layout is None:
+                raise KeyError(f"block {header.block_hash.hex()[:16]} was not offered (or was abandoned)")
+            self._reserved -= layout.nbytes
+            if header.layout != layout or data.nbytes != layout.nbytes:
+                self.stats.rejected_headers += 1
+                check_layout(layout, header.layout)
+                raise HeaderMismatch("buffers", f"{layout.nbytes} bytes", f"{data.nbytes} bytes")
+            self._blocks[header.block_hash] = StoredBlock(header, data)
+            self._used += data.nbytes
+            self.stats.puts += 1
+            self._emit(BlockStored([header.block_hash], header.parent_hash, [], layout.block_size, TIER_REMOTE))
+            return STORED
+
+    def abandon(self, block_hash: BlockHash) -> None:
+        """Give back the reservation of an offered block that will not arrive. Idempotent."""
+        with self._lock:
+            layout = self._pending.pop(block_hash, None)
+            if layout is not None:
+                self._reserved -= layout.nbytes
+                self.stats.put_aborted += 1
+
+    def put(self, header: BlockHeader, data: np.ndarray) -> str:
+        """Offer and commit one block whose bytes are at hand."""
+        verdict = self.offer(BlockBatch(header.layout, [header.block_hash], [header.parent_hash]))[0]
+        return self.commit(header, data) if verdict is WANTED else verdict
+
+    # ---- reads --------------------------------------------------------------------------------
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        """Length of the longest prefix of ``hashes`` that is stored (pending blocks do not count)."""
+        with self._lock:
+            n = 0
+            for h in hashes:
+                if h not in self._blocks:
+                    break
+                n += 1
+            self.stats.lookups += 1
+            self.stats.lookup_hits += n
+            return n
+
+    def get(self, layout: BlockLayout, hashes: Sequence[BlockHash]) -> list[StoredBlock]:
+        """Blocks of the longest stored prefix of ``hashes``, now most recently used.
+
+        Raises ``HeaderMismatch`` if a block of that prefix was stored under another layout.
+        """
+        with self._lock:
+            out: list[StoredBlock] = []
+            for h in hashes:
+                blk = self._blocks.get(h)
+                if blk is None:
+                    break
+                if blk.header.layout != layout:
+                    self.stats.rejected_headers += 1
+                    check_layout(layout, blk.header.layout)
+                out.append(blk)
+            for blk in out:
+                self._blocks.move_to_end(blk.header.block_hash)
+            self.stats.gets += len(hashes)
+            self.stats.hits += len(out)
+            return out
+
+    def __contains__(self, block_hash: object) -> bool:
+        with self._lock:
+            return block_hash in self._blocks
+
+    def lru_order(self) -> list[BlockHash]:
+        """Stored hashes, the next eviction victim first."""
+        with self._lock:
+            return list(self._blocks)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            used = sum(b.data.nbytes for b in self._blocks.values())
+            reserved = sum(layout.nbytes for layout in self._pending.values())
+            assert used == self._used, f"used bytes {self._used} != stored {used}"
+            assert reserved == self._reserved, f"reserved bytes {self._reserved} != pending {reserved}"
+            assert self._used + self._reserved <= self.capacity_bytes, "over budget"
+            assert not (self._blocks.keys() & self._pending.keys()), "a hash both stored and pending"
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _make_room(self, size: int) -> bool:
+        """Evict LRU blocks until ``size`` more bytes fit; False if in-flight bytes alone prevent it."""
+        if self._reserved + size > self.capacity_bytes:
+            return False
+        evicted: list[BlockHash] = []
+        while self._used + self._reserved + size > self.capacity_bytes:
+            h, blk = self._blocks.popitem(last=False)
+            self._used -= blk.data.nbytes
+            evicted.append(h)
+        if evicted:
+            self.stats.evictions += len(evicted)
+            self._emit(BlockRemoved(evicted, TIER_REMOTE))
+        return True
+
+    def _emit(self, event: BlockStored | BlockRemoved) -> None:
+        if self._on_event is not None:
+            self._on_event(event)

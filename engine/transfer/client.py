@@ -1,0 +1,288 @@
+"""Client side of the KV block protocol: an asyncio client, and a facade for plain threads.
+
+``AsyncKVClient`` runs on the loop that drives ucxx. It keeps a small pool of connections
+(``max_connections``), so a big write-through ``put`` does not queue a latency-critical ``get``
+behind it. ``KVClient`` wraps one for an engine's step thread: every call returns a
+``concurrent.futures.Future`` immediately and the work runs on a ``LoopThread``.
+
+Failure semantics (what a caller may rely on):
+
+* a miss is an answer (``lookup`` -> 0, ``get`` -> fewer blocks), never an exception;
+* every failure is a ``TransferError``: ``ConnectFailed``, ``PeerGone`` (peer died or restarted
+  mid-request), ``TransferTimeout`` (the request's deadline passed), ``HeaderMismatch`` (the
+  peer's blocks are not what this side expects), ``ProtocolError``, ``RemoteError``;
+* a connection that saw any failure or timeout is aborted, never reused, so a late reply can
+  not be read as the answer to the next request; the next request reconnects;
+* blocks returned by ``get`` passed ``check_header`` against the caller's layout and are exactly
+  a prefix of the asked hashes; ``put`` reads the caller's arrays until its future is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import ucxx
+from ucxx.exceptions import UCXError
+
+from . import protocol
+from .buffers import KVBlock
+from .channel import Channel
+from .errors import ConnectFailed, HeaderMismatch, ProtocolError, RemoteError, TransferError, TransferTimeout
+from .header import BlockBatch, BlockLayout, check_batch
+from .loop_thread import LoopThread
+
+T = TypeVar("T")
+
+
+class ClientBusy(TransferError):
+    """Too many requests are already pending on this client; the new one was not started."""
+
+
+def raise_error_reply(reply: protocol.ErrorReply) -> None:
+    if reply.kind == protocol.ERR_HEADER:
+        raise HeaderMismatch(reply.field or "?", reply.expected, reply.got, f"rejected by the peer: {reply.message}")
+    raise RemoteError(f"peer answered {reply.kind}: {reply.message}")
+
+
+class AsyncKVClient:
+    """Talks to one KV block server (a cache node, later a decode engine) at ``host:port``."""
+
+    def __init__(self, host: str, port: int, *, timeout: float = 10.0, connect_timeout: float = 5.0,
+                 max_connections: int = 2) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.host, self.port = host, port
+        self.peer = f"{host}:{port}"
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self._slots: asyncio.Semaphore | None = None  # created on the loop that uses it
+        self._max = max_connections
+        self._idle: list[Channel] = []
+        self._busy: set[Channel] = set()
+        self._closed = False
+
+    # ---- requests -------------------------------------------------------------------------------
+    async def put(self, blocks: Sequence[KVBlock], timeout: float | None = None) -> list[str]:
+        """Store ``blocks`` (one layout); per block one of ``protocol.PUT_STATUSES``."""
+        if not blocks:
+            return []
+        batch = BlockBatch.of([b.header for b in blocks])
+        check_batch(batch)  # refuse locally what the server would refuse
+
+        async def run(ch: Channel) -> list[str]:
+            await ch.send(protocol.PutOffer(batch))
+            want = await ch.expect(protocol.PutWant)
+            if isinstance(want, protocol.ErrorReply):
+                raise_error_reply(want)
+            if len(want.want) != len(blocks):
+                raise ProtocolError(f"{self.peer} answered a {len(blocks)}-block offer with {len(want.want)} flags")
+            await ch.send_payloads([b.data for b, w in zip(blocks, want.want) if w])
+            done = await ch.expect(protocol.PutDone)
+            if isinstance(done, protocol.ErrorReply):
+                raise_error_reply(done)
+            if len(done.statuses) != len(blocks):
+                raise ProtocolError(f"{self.peer} sent {len(done.statuses)} put statuses for {len(blocks)} blocks")
+            return list(done.statuses)
+
+        return await self._request(run, timeout, f"put of {len(blocks)} blocks")
+
+    async def lookup(self, hashes: Sequence[bytes], timeout: float | None = None) -> int:
+        """Length of the longest prefix of the chain ``hashes`` the peer holds."""
+        if not hashes:
+            return 0
+
+        async def run(ch: Channel) -> int:
+            await ch.send(protocol.Lookup(list(hashes)))
+            reply = await ch.expect(protocol.LookupReply)
+            if isinstance(reply, protocol.ErrorReply):
+                raise_error_reply(reply)
+            if not 0 <= reply.length <= len(hashes):
+                raise ProtocolError(f"{self.peer} answered a {len(hashes)}-hash lookup with {reply.length}")
+            return reply.length
+
+        return await self._request(run, timeout, f"lookup of {len(hashes)} hashes")
+
+    async def get(self, layout: BlockLayout, hashes: Sequence[bytes], timeout: float | None = None) -> list[KVBlock]:
+        """Blocks for the longest held prefix of ``hashes``, each checked against ``layout``."""
+        if not hashes:
+            return []
+
+        async def run(ch: Channel) -> list[KVBlock]:
+            await ch.send(protocol.Get(layout, list(hashes)))
+            reply = await ch.expect(protocol.GetReply)
+            if isinstance(reply, protocol.ErrorReply):
+                raise_error_reply(reply)
+            if reply.batch is None:
+                return []
+            batch = reply.batch
+            # Checked before receiving: a mismatched block is never loaded (the channel is dropped).
+            check_batch(batch, expected=layout)
+            n = len(batch.hashes)
+            if n > len(hashes) or batch.hashes != list(hashes[:n]):
+                raise HeaderMismatch("block_hash", "a prefix of the asked chain", f"{n} other hashes")
+            datas = await ch.recv_payloads([layout.nbytes] * n)
+            return [KVBlock(h, d) for h, d in zip(batch.headers(), datas)]
+
+        return await self._request(run, timeout, f"get of {len(hashes)} blocks")
+
+    async def stats(self, timeout: float | None = None) -> dict[str, Any]:
+        async def run(ch: Channel) -> dict[str, Any]:
+            await ch.send(protocol.Stats())
+            reply = await ch.expect(protocol.StatsReply)
+            if isinstance(reply, protocol.ErrorReply):
+                raise_error_reply(reply)
+            return dict(reply.stats)
+
+        return await self._request(run, timeout, "stats")
+
+    # ---- connections ----------------------------------------------------------------------------
+    async def _request(self, run: Callable[[Channel], Awaitable[T]], timeout: float | None, what: str) -> T:
+        if self._closed:
+            raise TransferError(f"client for {self.peer} is closed")
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self._max)
+        deadline = self.timeout if timeout is None else timeout
+        ch: Channel | None = None
+        try:
+            async with asyncio.timeout(deadline):
+                async with self._slots:
+                    ch = await self._checkout()
+                    result = await run(ch)
+                    self._checkin(ch)
+                    ch = None
+                    return result
+        except TimeoutError:
+            raise TransferTimeout(f"{what} with {self.peer} did not finish within {deadline:.1f}s") from None
+        finally:
+            if ch is not None:  # failed or timed out: the stream position is unknown, drop it
+                self._busy.discard(ch)
+                ch.abort()
+
+    async def _checkout(self) -> Channel:
+        while self._idle:
+            ch = self._idle.pop()
+            if not ch.broken:
+                self._busy.add(ch)
+                return ch
+        ch = await self._connect()
+        self._busy.add(ch)
+        return ch
+
+    def _checkin(self, ch: Channel) -> None:
+        self._busy.discard(ch)
+        if self._closed or ch.broken:
+            ch.abort()
+        else:
+            self._idle.append(ch)
+
+    async def _connect(self) -> Channel:
+        try:
+            ep = await asyncio.wait_for(
+                ucxx.create_endpoint(self.host, self.port, connect_timeout=self.connect_timeout),
+                self.connect_timeout)
+        except (UCXError, OSError, TimeoutError) as e:
+            raise ConnectFailed(f"cannot connect to KV peer {self.peer}: {type(e).__name__}: {e or 'timed out'} "
+                                "(is it running and is its UCX port reachable?)") from None
+        ch = Channel(ep, self.peer)
+        try:
+            await ch.send(protocol.Hello(protocol.PROTOCOL_VERSION, "client"))
+            hello = await ch.expect(protocol.Hello)
+            if isinstance(hello, protocol.ErrorReply):
+                raise_error_reply(hello)
+            if hello.version != protocol.PROTOCOL_VERSION:
+                raise ProtocolError(f"{self.peer} speaks KV protocol {hello.version}, "
+                                    f"this side {protocol.PROTOCOL_VERSION}")
+        except BaseException:
+            ch.abort()
+            raise
+        return ch
+
+    async def aclose(self) -> None:
+        """Close every connection (idle ones cleanly, in-flight ones abort). Idempotent."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for ch in idle:
+            await ch.close()
+        for ch in list(self._busy):
+            ch.abort()
+        self._busy.clear()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._idle) + len(self._busy)
+
+
+class KVClient:
+    """Thread-facing client: each call returns a ``concurrent.futures.Future`` at once.
+
+    At most ``max_pending`` requests run or wait at a time; beyond that a call raises
+    ``ClientBusy`` immediately (write-through drops and counts the save, the step goes on).
+    ``loop`` may be shared with other transfer users of the process; when omitted the client
+    starts and owns one.
+    """
+
+    def __init__(self, host: str, port: int, *, loop: LoopThread | None = None, max_pending: int = 64,
+                 **client_kw: Any) -> None:
+        self._own_loop = loop is None
+        self._loop = loop or LoopThread()
+        self._client = AsyncKVClient(host, port, **client_kw)
+        self._max_pending = max_pending
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def _submit(self, coro: Any) -> concurrent.futures.Future:
+        with self._lock:
+            if self._pending >= self._max_pending:
+                coro.close()
+                raise ClientBusy(f"{self._pending} KV requests already pending for {self._client.peer}")
+            self._pending += 1
+        try:
+            fut = self._loop.submit(coro)
+        except BaseException:
+            with self._lock:
+                self._pending -= 1
+            raise
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, _fut: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def put(self, blocks: Sequence[KVBlock], timeout: float | None = None) -> concurrent.futures.Future[list[str]]:
+        return self._submit(self._client.put(blocks, timeout))
+
+    def lookup(self, hashes: Sequence[bytes], timeout: float | None = None) -> concurrent.futures.Future[int]:
+        return self._submit(self._client.lookup(hashes, timeout))
+
+    def get(self, layout: BlockLayout, hashes: Sequence[bytes],
+            timeout: float | None = None) -> concurrent.futures.Future[list[KVBlock]]:
+        return self._submit(self._client.get(layout, hashes, timeout))
+
+    def stats(self, timeout: float | None = None) -> concurrent.futures.Future[dict[str, Any]]:
+        return self._submit(self._client.stats(timeout))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close the connections, then the loop thread if this client owns it."""
+        try:
+            self._loop.call(self._client.aclose(), timeout)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            pass
+        if self._own_loop:
+            self._loop.close(timeout)
+
+    def __enter__(self) -> KVClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,112 @@
+"""Control messages of the KV block protocol (msgpack, tagged), exchanged request/reply per connection.
+
+One connection carries one request at a time. The exchanges (C: client, S: server)::
+
+    put     C: PutOffer(batch)  S: PutWant(want)   C: payload of each wanted block   S: PutDone(statuses)
+    lookup  C: Lookup(hashes)   S: LookupReply(length)
+    get     C: Get(layout, hashes)  S: GetReply(batch)   S: payload of each block in batch
+    stats   C: Stats()          S: StatsReply(stats)
+
+Any request may instead be answered with ``ErrorReply`` (then no payload follows). The two-phase
+put lets a server skip blocks it already holds or is receiving from another client: write-through
+of a shared prefix costs one round trip, not its bytes. A get answers the longest prefix of the
+asked chain that the server holds and that matches the asked layout (possibly empty).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .header import BlockBatch, BlockLayout
+
+PROTOCOL_VERSION = 1
+
+# Per-block outcomes of a put.
+STORED = "stored"
+"""Received and stored by this put."""
+EXISTS = "exists"
+"""Already held (or being received from another put): nothing sent, nothing to do."""
+TOO_LARGE = "too_large"
+"""The block alone exceeds the server's whole budget; refused."""
+NO_ROOM = "no_room"
+"""The server could not reserve room right now (everything else is in flight); retry later or drop."""
+PUT_STATUSES = (STORED, EXISTS, TOO_LARGE, NO_ROOM)
+
+# ErrorReply kinds.
+ERR_HEADER = "header_mismatch"
+ERR_BAD_REQUEST = "bad_request"
+ERR_INTERNAL = "internal"
+
+
+class Message(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    pass
+
+
+class PutOffer(Message, tag="put"):
+    batch: BlockBatch
+
+
+class PutWant(Message, tag="put_want"):
+    want: list[bool]
+
+
+class PutDone(Message, tag="put_done"):
+    statuses: list[str]
+
+
+class Lookup(Message, tag="lookup"):
+    hashes: list[bytes]
+
+
+class LookupReply(Message, tag="lookup_reply"):
+    length: int
+
+
+class Get(Message, tag="get"):
+    layout: BlockLayout
+    hashes: list[bytes]
+
+
+class GetReply(Message, tag="get_reply"):
+    batch: BlockBatch | None
+    """None when not even the first block is held (a miss, not an error)."""
+
+
+class Stats(Message, tag="stats"):
+    pass
+
+
+class StatsReply(Message, tag="stats_reply"):
+    stats: dict[str, Any]
+
+
+class ErrorReply(Message, tag="error"):
+    kind: str
+    message: str
+    field: str | None = None
+    expected: str | None = None
+    got: str | None = None
+
+
+class Hello(Message, tag="hello"):
+    """First message on a connection, both ways: protocol version check before any request."""
+
+    version: int
+    role: str = ""
+
+
+AnyMessage = PutOffer | PutWant | PutDone | Lookup | LookupReply | Get | GetReply | Stats | StatsReply | ErrorReply | Hello
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(raw: bytes | memoryview) -> Message:
+    """Raises ``msgspec.DecodeError`` or ``msgspec.ValidationError`` on anything malformed."""
+    return _decoder.decode(raw)

@@ -1,0 +1,104 @@
+"""Server side of the KV block protocol: a ucxx listener that feeds each request to a handler.
+
+The server owns connections; the handler owns meaning. ``KVServer`` accepts a connection, checks
+the ``Hello``, then loops: receive a request, ``await handler.handle(msg, channel)`` (the handler
+sends the reply and any payloads itself, since a put is two-phase). A connection ends when the
+peer goes away, sends garbage, or the server closes; a handler exception other than a
+``TransferError`` is answered with ``ErrorReply(internal)`` and the connection is dropped.
+
+Note: ucxx's listener binds every interface of the host (its API takes a port only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+import ucxx
+
+from . import protocol
+from .channel import Channel
+from .errors import PeerGone, ProtocolError, TransferError
+
+log = logging.getLogger("kvmesh.transfer")
+
+
+class RequestHandler(Protocol):
+    async def handle(self, msg: protocol.Message, ch: Channel) -> None:
+        """Answer one request on ``ch``; raise ``TransferError`` to drop the connection."""
+
+
+class KVServer:
+    """Listens on ``port`` (0: any free port; read ``.port`` after ``start``). Use on one event loop."""
+
+    def __init__(self, handler: RequestHandler, port: int = 0, *, idle_timeout: float | None = None) -> None:
+        self.handler = handler
+        self.requested_port = port
+        self.idle_timeout = idle_timeout
+        self._listener = None
+        self._channels: set[Channel] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self.connections_total = 0
+
+    @property
+    def port(self) -> int:
+        if self._listener is None:
+            raise RuntimeError("KVServer.start() has not run")
+        return self._listener.port
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._channels)
+
+    async def start(self) -> None:
+        self._listener = ucxx.create_listener(self._on_connect, port=self.requested_port)
+        log.info("KV transfer: listening on UCX port %d", self._listener.port)
+
+    async def _on_connect(self, ep: object) -> None:
+        self._tasks.add(asyncio.current_task())
+        ch = Channel(ep, "client")
+        self._channels.add(ch)
+        self.connections_total += 1
+        try:
+            hello = await ch.recv()
+            if not isinstance(hello, protocol.Hello):
+                raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
+            await ch.send(protocol.Hello(protocol.PROTOCOL_VERSION, "server"))
+            if hello.version != protocol.PROTOCOL_VERSION:
+                raise ProtocolError(f"client speaks KV protocol {hello.version}, server {protocol.PROTOCOL_VERSION}")
+            while True:
+                if self.idle_timeout is None:
+                    msg = await ch.recv()
+                else:
+                    msg = await asyncio.wait_for(ch.recv(), self.idle_timeout)
+                await self.handler.handle(msg, ch)
+        except PeerGone:
+            pass  # the client closed or died: the normal end of a connection
+        except (TransferError, TimeoutError) as e:
+            log.warning("KV transfer: dropping a connection: %s", e)
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # a handler bug must not kill the listener; tell the client if we can
+            log.exception("KV transfer: request handler failed")
+            try:
+                await asyncio.wait_for(ch.send(protocol.ErrorReply(protocol.ERR_INTERNAL, str(e))), 1.0)
+            except (TransferError, TimeoutError):
+                pass
+        finally:
+            self._channels.discard(ch)
+            ch.abort()
+            self._tasks.discard(asyncio.current_task())
+
+    async def close(self) -> None:
+        """Abort every connection, then stop listening (endpoints go before their listener)."""
+        for ch in list(self._channels):
+            ch.abort()
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
