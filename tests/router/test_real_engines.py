@@ -1,0 +1,132 @@
+"""The router in front of two real engines on the default model (slow).
+
+Real: two `kvmesh serve` processes (default model, one thread each, a small KV pool so
+prompts evict each other), their KV event publishers and /kv routes, and a `kvmesh router`
+process with the real tokenizer, subscribers, index and policy. Nothing is faked.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvmesh.engine.server.metrics_util import parse_samples, sample_value
+from tests.server.serverproc import ServerProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = ("You are a meticulous assistant for a company that builds routers for language model fleets. "
+          "Answer precisely, cite the relevant block of the manual, and never invent configuration flags. ")
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 both free (KV events PUB and replay)."""
+    for _ in range(50):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no free port pair")
+
+
+class RouterProcess(ServerProcess):
+    """`python -m kvmesh router ...` from a scratch directory (see ServerProcess for why)."""
+
+    def start(self) -> RouterProcess:
+        cmd = [sys.executable, "-m", "kvmesh", "router", "--host", "127.0.0.1", "--port", str(self.port),
+               *self.flags]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=self.dir, stdout=self._log, stderr=subprocess.STDOUT)
+        self.wait_ready()
+        return self
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    engines = [ServerProcess("--num-threads", "1", "--num-kv-blocks", "96", "--max-num-seqs", "8",
+                             "--kv-events-port", str(free_port_pair())) for _ in range(2)]
+    router = None
+    try:
+        for e in engines:
+            e.start()
+        router = RouterProcess("--engines", ",".join(e.base_url for e in engines), "--policy", "cache-aware",
+                               "--health-interval-s", "0.5").start()
+        yield engines, router
+    finally:
+        for p in ([router] if router else []) + engines:
+            p.stop()
+
+
+def index_blocks(router: RouterProcess) -> dict[tuple[str, str], float]:
+    samples = parse_samples(httpx.get(router.url("/metrics"), timeout=10).text)
+    return {(dict(ls)["engine"], dict(ls)["tier"]): v for (n, ls), v in samples.items()
+            if n == "kvmesh_router_index_blocks"}
+
+
+def engine_blocks(engine: ServerProcess) -> dict[str, int]:
+    snap = httpx.get(engine.url("/kv/snapshot"), timeout=10).json()
+    return {t: len(hs) for t, hs in snap["tiers"].items()}
+
+
+def wait_for(pred, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def chat(router: RouterProcess, system: str, question: str) -> dict:
+    r = httpx.post(router.url("/v1/chat/completions"), timeout=300, json={
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def routed_to(router: RouterProcess, engines) -> dict[str, float]:
+    samples = parse_samples(httpx.get(router.url("/metrics"), timeout=10).text)
+    return {e.base_url: sample_value(samples, "kvmesh_router_requests_total", engine=e.base_url, outcome="ok") or 0
+            for e in engines}
+
+
+def test_a_request_sharing_a_long_prefix_goes_to_the_engine_that_cached_it(fleet):
+    engines, router = fleet
+    system = SYSTEM * 6  # several hundred tokens: many full blocks
+    first = chat(router, system, "What is a block hash?")
+    before = routed_to(router, engines)
+    (holder,) = [u for u, n in before.items() if n == 1]
+    wait_for(lambda: index_blocks(router).get((holder, "gpu"), 0) > 10, what="the first prompt's blocks in the index")
+    second = chat(router, system, "And what is a prefix cache?")
+    after = routed_to(router, engines)
+    assert after[holder] == 2, (before, after)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 10 * 16
+
+
+def test_index_size_equals_the_engines_cached_blocks_after_evictions(fleet):
+    engines, router = fleet
+    # 96-block pools; each prompt holds ~30 blocks, so later prompts evict earlier ones.
+    stored = 0
+    for i in range(8):
+        stored += chat(router, f"Conversation {i}: " + SYSTEM * 7, f"Question number {i}?")["usage"]["prompt_tokens"] // 16
+    assert stored > 2 * 96  # more distinct blocks than both pools hold: evictions happened
+
+    def mirrored() -> bool:
+        idx = index_blocks(router)
+        return all(idx.get((e.base_url, t), 0) == n for e in engines for t, n in engine_blocks(e).items())
+
+    wait_for(mirrored, what="index size == engines' cached blocks")
+    total_index = sum(index_blocks(router).values())
+    assert total_index == sum(sum(engine_blocks(e).values()) for e in engines)
+    assert 0 < total_index <= 2 * 96
