@@ -258,6 +258,11 @@ class KVClient:
         with self._lock:
             self._pending -= 1
 
+    @property
+    def open_connections(self) -> int:
+        """Connections currently pooled or in use (read from another thread: a gauge, not a lock)."""
+        return self._client.open_connections
+
     def put(self, blocks: Sequence[KVBlock], timeout: float | None = None) -> concurrent.futures.Future[list[str]]:
         return self._submit(self._client.put(blocks, timeout))
 
