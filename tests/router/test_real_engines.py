@@ -116,10 +116,11 @@ def test_a_request_sharing_a_long_prefix_goes_to_the_engine_that_cached_it(fleet
 
 def test_index_size_equals_the_engines_cached_blocks_after_evictions(fleet):
     engines, router = fleet
-    # 96-block pools; each prompt holds ~30 blocks, so later prompts evict earlier ones.
+    # 96-block pools; each prompt holds ~30 blocks (~500 tokens), so later prompts evict earlier ones.
     stored = 0
     for i in range(8):
-        stored += chat(router, f"Conversation {i}: " + SYSTEM * 7, f"Question number {i}?")["usage"]["prompt_tokens"] // 16
+        answer = chat(router, f"Conversation {i}: " + SYSTEM * 14, f"Question number {i}?")
+        stored += answer["usage"]["prompt_tokens"] // 16
     assert stored > 2 * 96  # more distinct blocks than both pools hold: evictions happened
 
     def mirrored() -> bool:
