@@ -41,6 +41,9 @@ MODEL_DIR = "/models"
 GPU_RESOURCE = "nvidia.com/gpu"
 # Host memory a cache node needs beyond its KV capacity (process, buffers).
 CACHE_OVERHEAD = "1Gi"
+# Seconds of a pod's grace period kept after the engine's drain timeout: the
+# abort of leftovers (5 s for their final chunks) and the server's shutdown.
+DRAIN_MARGIN_S = 10
 CONFIG_HASH_ANNOTATION = "serving.kvmesh.io/config-hash"
 OWNER_LABEL = "serving.kvmesh.io/inference-deployment"
 MANAGED_BY = "kvmesh-operator"
@@ -180,6 +183,13 @@ def _model_path(spec: s.InferenceSpec) -> str:
     return f"{MODEL_DIR}/{vol.path}" if vol and vol.path else MODEL_DIR
 
 
+def drain_timeout_s(c: s.Component) -> int:
+    """The engine's drain bound from the pod's grace period: the kubelet kills the
+    container at terminationGracePeriodSeconds, so the engine must have aborted
+    its leftovers and sent their final chunks (DRAIN_MARGIN_S) before then."""
+    return max(1, c.termination_grace_period_seconds - DRAIN_MARGIN_S)
+
+
 def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[str]:
     """The `kvmesh ...` command line a pool's container runs."""
     common = ["--host", "0.0.0.0", "--port", str(ENGINE_PORT),
@@ -195,7 +205,8 @@ def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[
             args += ["--model-format", spec.model.format.lower()]
         if spec.cache.replicas > 0:
             args += ["--cache-service", _endpoint(owner, "cache")]
-        args += ["--kv-events-port", str(KV_EVENTS_PORT)]
+        args += ["--kv-events-port", str(KV_EVENTS_PORT),
+                 "--drain-timeout", str(drain_timeout_s(spec.component(component)))]
         return args + common
     if component == "cache":
         return ["kvmesh", "cache-node", "--memory", str(spec.cache.memory)] + common

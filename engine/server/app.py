@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from kvmesh.engine.kv.event_publisher import KVEventPublisher
 from kvmesh.engine.server import errors
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
+from kvmesh.engine.server.drain import Drainer
 from kvmesh.engine.server.errors import APIError
 from kvmesh.engine.server.generation import Serving
 from kvmesh.engine.server.kv_routes import add_kv_routes
@@ -35,9 +36,11 @@ class ServerApp:
     """Everything one server process holds: the async engine, metrics, the app."""
 
     def __init__(self, aengine: AsyncEngine, served_model_names: list[str] | None = None,
-                 kv_publisher: KVEventPublisher | None = None) -> None:
-        """`kv_publisher`, when given, streams the engine's KV events from load to shutdown."""
+                 kv_publisher: KVEventPublisher | None = None, drain_timeout_s: float = 30.0) -> None:
+        """`kv_publisher`, when given, streams the engine's KV events from load to shutdown;
+        `drain_timeout_s` bounds a drain (SIGTERM or POST /admin/drain) before leftovers are aborted."""
         self.aengine = aengine
+        self.drainer = Drainer(aengine, drain_timeout_s)
         self.kv_publisher = kv_publisher
         self._names_override = list(served_model_names or [])
         self.started = int(time.time())
@@ -131,6 +134,17 @@ class ServerApp:
         async def ready() -> JSONResponse:
             return JSONResponse({"ready": aengine.ready, "state": aengine.state.value},
                                 status_code=200 if aengine.ready else 503)
+
+        @app.post("/admin/drain")
+        async def start_drain() -> JSONResponse:
+            # Same drain as SIGTERM, without exiting: the operator drains a victim,
+            # waits for in_flight 0, then removes the pod.
+            self.drainer.start("POST /admin/drain")
+            return JSONResponse(self.drainer.status(), status_code=202)
+
+        @app.get("/admin/drain")
+        async def drain_status() -> JSONResponse:
+            return JSONResponse(self.drainer.status())
 
         @app.get("/metrics")
         async def metrics() -> Response:

@@ -10,6 +10,9 @@ re-raises the signal, so the process dies by SIGTERM instead of exiting 0.
 2. once none is in flight, or after `drain_timeout_s` (then the rest are
    aborted and end with finish_reason "abort"), uvicorn shuts down normally;
 3. the process exits 0. A second SIGINT forces an immediate exit.
+
+The drain itself is `drain.Drainer`, the same one POST /admin/drain starts,
+so a SIGTERM that arrives during an admin drain joins it.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.kv.event_publisher import KVEventPublisher, KVEventsBindError
 from kvmesh.engine.server.app import ServerApp
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
+from kvmesh.engine.server.drain import Drainer
 
 log = logging.getLogger("kvmesh.server")
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_ABORT_GRACE_S = 5.0  # after aborting leftovers at the drain timeout, time for their final chunks
 
 
 @dataclass
@@ -58,10 +61,13 @@ class ServeSettings:
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server that drains on SIGTERM and exits 0 (see module doc)."""
 
-    def __init__(self, config: uvicorn.Config, aengine: AsyncEngine, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, aengine: AsyncEngine, drain_timeout_s: float,
+                 drainer: Drainer | None = None) -> None:
         super().__init__(config)
         self.aengine = aengine
         self.drain_timeout_s = drain_timeout_s
+        # Shared with POST /admin/drain, so a SIGTERM during an admin drain joins it.
+        self.drainer = drainer or Drainer(aengine, drain_timeout_s)
         self.exit_code = 0
         self._draining: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -94,13 +100,7 @@ class DrainingServer(uvicorn.Server):
 
     async def drain(self, why: str = "request") -> None:
         """Stop taking requests, let in-flight ones finish (bounded), then shut down."""
-        n = self.aengine.num_active_requests
-        log.info("%s: draining (%d request(s) in flight, timeout %.0fs)", why, n, self.drain_timeout_s)
-        self.aengine.begin_drain()
-        if not await self.aengine.wait_idle(self.drain_timeout_s):
-            log.warning("drain timeout: aborting %d request(s)", self.aengine.num_active_requests)
-            self.aengine.abort_all()
-            await self.aengine.wait_idle(_ABORT_GRACE_S)
+        await self.drainer.start(why)
         self.should_exit = True
 
     async def startup(self, sockets: Any = None) -> None:
@@ -138,14 +138,16 @@ def build_server(settings: ServeSettings, engine_factory: Callable[[], Any] | No
     if settings.kv_events_port:
         publisher = KVEventPublisher(settings.kv_events_host, settings.kv_events_port)
         publisher.bind()  # a busy port fails here, before the model loads
-    app = ServerApp(aengine, settings.served_model_names, kv_publisher=publisher).app
+    server_app = ServerApp(aengine, settings.served_model_names, kv_publisher=publisher,
+                           drain_timeout_s=settings.drain_timeout_s)
+    app = server_app.app
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=settings.access_log, timeout_keep_alive=settings.timeout_keep_alive_s,
         # In-flight work was drained already; this only bounds a stuck connection.
         timeout_graceful_shutdown=10, lifespan="on",
     )
-    return DrainingServer(config, aengine, settings.drain_timeout_s)
+    return DrainingServer(config, aengine, settings.drain_timeout_s, server_app.drainer)
 
 
 def serve(settings: ServeSettings) -> int:

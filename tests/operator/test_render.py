@@ -222,3 +222,18 @@ def test_configmap_carries_the_autoscaler_bounds_per_resized_pool():
     cr["spec"]["prefill"]["replicas"] = 0  # colocated: only the decode pool is resized
     cfg = yaml.safe_load(by_key(r.render_all(cr))[("ConfigMap", "llm-config")]["data"][r.CONFIG_FILE])
     assert set(cfg["autoscaling"]["pools"]) == {"decode"}
+
+
+def test_engines_drain_within_their_grace_period():
+    cr = make_cr()
+    cr["spec"]["decode"]["terminationGracePeriodSeconds"] = 200
+    objs = r.render_all(cr)
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    for c, grace in (("prefill", 120), ("decode", 200)):
+        args = argv(objs, c)
+        pod = deployment(objs, c)["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == grace
+        timeout = parser.parse_args(args[2:]).drain_timeout
+        assert timeout == grace - r.DRAIN_MARGIN_S  # aborted leftovers still finish before SIGKILL
+    assert "--drain-timeout" not in argv(objs, "router") + argv(objs, "cache")

@@ -1,0 +1,82 @@
+"""The one way an engine server drains, whoever asks (SIGTERM or POST /admin/drain).
+
+A drain turns readiness false (so the Service and the router stop sending:
+/ready answers 503, new generation requests get 503 `shutting_down`), lets
+every admitted request finish, and after `timeout_s` aborts what is left
+(those end with finish_reason "abort"). It does not stop the process: on
+SIGTERM the runtime shuts uvicorn down once the drain is over; after an admin
+drain the pod keeps answering /metrics and /admin/drain until the operator
+removes it (whose SIGTERM then finds nothing left to wait for).
+
+Invariant: at most one drain per server; asking again joins the running one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.engine.server.async_engine import AsyncEngine
+
+log = logging.getLogger("kvmesh.server")
+
+ABORT_GRACE_S = 5.0  # after aborting leftovers at the timeout, time for their final chunks
+
+
+@dataclass
+class Drainer:
+    aengine: AsyncEngine
+    timeout_s: float = 30.0
+    abort_grace_s: float = ABORT_GRACE_S
+    reason: str | None = None
+    started_at: float | None = None  # Unix time
+    finished_at: float | None = None
+    aborted: int = 0  # requests still in flight at the timeout
+    _task: asyncio.Task | None = field(default=None, repr=False)
+
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
+    @property
+    def done(self) -> bool:
+        return self._task is not None and self._task.done()
+
+    def start(self, why: str) -> asyncio.Task:
+        """Begin draining (call on the event loop); returns the drain's task, the same on every call."""
+        if self._task is None:
+            self.reason = why
+            self.started_at = time.time()
+            self._task = asyncio.ensure_future(self._run(why))
+        return self._task
+
+    async def _run(self, why: str) -> None:
+        ae = self.aengine
+        log.info("%s: draining (%d request(s) in flight, timeout %.0fs)", why,
+                 ae.num_active_requests, self.timeout_s)
+        ae.begin_drain()
+        if not await ae.wait_idle(self.timeout_s):
+            self.aborted = ae.num_active_requests
+            log.warning("drain timeout: aborting %d request(s)", self.aborted)
+            ae.abort_all()
+            await ae.wait_idle(self.abort_grace_s)
+        self.finished_at = time.time()
+        log.info("drained (%s)", why)
+
+    def status(self) -> dict[str, Any]:
+        """What GET /admin/drain answers; `in_flight` counts API requests still running."""
+        return {
+            "draining": self.started,
+            "done": self.done,
+            "in_flight": self.aengine.num_active_requests,
+            "queued": self.aengine.num_queued,
+            "state": self.aengine.state.value,
+            "reason": self.reason,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "timeout_s": self.timeout_s,
+            "aborted": self.aborted,
+        }

@@ -1,0 +1,73 @@
+"""POST/GET /admin/drain over a fake engine: the SIGTERM drain, asked for over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+from fastapi.testclient import TestClient
+
+from kvmesh.engine.server.app import ServerApp
+from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
+from kvmesh.engine.server.runtime import ServeSettings, build_server
+
+from .fakes import FakeEngine
+
+
+def _wait(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.01)
+
+
+def test_admin_drain_stops_readiness_finishes_inflight_and_reports_zero():
+    engine = FakeEngine(step_delay_s=0.02)
+    server = ServerApp(AsyncEngine(lambda: engine), drain_timeout_s=60)
+    with TestClient(server.app) as c:
+        _wait(lambda: c.get("/ready").status_code == 200)
+        assert c.get("/admin/drain").json()["draining"] is False
+        got: list = []
+
+        def stream() -> None:
+            body = {"prompt": "a", "max_tokens": 40, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                got.extend(json.loads(line[6:]) for line in r.iter_lines()
+                           if line.startswith("data: {"))
+
+        t = threading.Thread(target=stream)
+        t.start()
+        _wait(lambda: engine.generation_tokens >= 2)
+        r = c.post("/admin/drain")
+        assert r.status_code == 202
+        st = r.json()
+        assert st["draining"] is True and st["in_flight"] == 1 and st["timeout_s"] == 60
+        assert c.get("/ready").status_code == 503
+        refused = c.post("/v1/completions", json={"prompt": "a"})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        assert c.post("/admin/drain").status_code == 202  # asking again joins the same drain
+        t.join(30)
+        _wait(lambda: c.get("/admin/drain").json()["done"])
+        st = c.get("/admin/drain").json()
+        assert (st["in_flight"], st["aborted"], st["state"]) == (0, 0, "draining")
+        assert got[-1]["choices"][0]["finish_reason"] == "length"  # not cut
+        assert c.get("/health").status_code == 200  # drained, not dead: no restart
+
+
+def test_sigterm_during_an_admin_drain_joins_it():
+    async def main() -> None:
+        server = build_server(ServeSettings(drain_timeout_s=5), engine_factory=FakeEngine)
+        app = server.config.app.state.server
+        assert app.drainer is server.drainer  # one drain, whoever asks
+        server.aengine.start()
+        await server.aengine.loaded.wait()
+        task = app.drainer.start("POST /admin/drain")
+        await server.drain("SIGTERM")
+        assert task.done() and app.drainer.reason == "POST /admin/drain"
+        assert server.should_exit and server.aengine.state is ServerState.DRAINING
+        await server.aengine.shutdown()
+
+    asyncio.run(main())
