@@ -37,6 +37,13 @@ class Channel:
         self.ep = endpoint
         self.peer = peer
         self.broken = False
+        self.received = 0
+        """Control messages received so far (tells a stale connection from a peer that died mid-answer)."""
+
+    @property
+    def alive(self) -> bool:
+        """False once this side broke it or ucxx saw the peer go (its error callback ran)."""
+        return not self.broken and self.ep is not None and not self.ep.closed
 
     # ---- control messages ---------------------------------------------------------------------
     async def send(self, msg: protocol.Message) -> None:
@@ -57,6 +64,7 @@ class Channel:
             raise ProtocolError(f"{self.peer} announced a {n}-byte control message (limit {MAX_CONTROL_BYTES})")
         body = np.empty(n, np.uint8)
         await self._io(self._live().recv(body), "receiving a control message")
+        self.received += 1
         try:
             return protocol.decode(body.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:

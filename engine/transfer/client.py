@@ -13,6 +13,9 @@ Failure semantics (what a caller may rely on):
   peer's blocks are not what this side expects), ``ProtocolError``, ``RemoteError``;
 * a connection that saw any failure or timeout is aborted, never reused, so a late reply can
   not be read as the answer to the next request; the next request reconnects;
+* a request whose pooled connection fails before the peer answers anything (the peer restarted
+  since) is retried once on a fresh connection within the same deadline, so a restarted peer
+  shows up as misses; a failure after the peer started answering is raised;
 * blocks returned by ``get`` passed ``check_header`` against the caller's layout and are exactly
   a prefix of the asked hashes; ``put`` reads the caller's arrays until its future is done.
 """
@@ -31,11 +34,16 @@ from ucxx.exceptions import UCXError
 from . import protocol
 from .buffers import KVBlock
 from .channel import Channel
-from .errors import ConnectFailed, HeaderMismatch, ProtocolError, RemoteError, TransferError, TransferTimeout
+from .errors import (ConnectFailed, HeaderMismatch, PeerGone, ProtocolError, RemoteError, TransferError,
+                     TransferTimeout)
 from .header import BlockBatch, BlockLayout, check_batch
 from .loop_thread import LoopThread
 
 T = TypeVar("T")
+
+
+class _StalePooled(PeerGone):
+    """A pooled connection failed before the peer answered anything: it predates a peer restart."""
 
 
 class ClientBusy(TransferError):
@@ -146,38 +154,53 @@ class AsyncKVClient:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._max)
         deadline = self.timeout if timeout is None else timeout
-        ch: Channel | None = None
         try:
             async with asyncio.timeout(deadline):
                 async with self._slots:
-                    ch = await self._checkout()
-                    result = await run(ch)
-                    self._checkin(ch)
-                    ch = None
-                    return result
+                    try:
+                        return await self._attempt(run, reuse=True)
+                    except _StalePooled:
+                        # A pooled connection may predate a restart of the peer. Every request is
+                        # idempotent (puts by hash), so one retry on a fresh connection is safe.
+                        return await self._attempt(run, reuse=False)
         except TimeoutError:
             raise TransferTimeout(f"{what} with {self.peer} did not finish within {deadline:.1f}s") from None
-        finally:
-            if ch is not None:  # failed or timed out: the stream position is unknown, drop it
-                self._busy.discard(ch)
-                ch.abort()
 
-    async def _checkout(self) -> Channel:
-        while self._idle:
-            ch = self._idle.pop()
-            if not ch.broken:
-                self._busy.add(ch)
-                return ch
-        ch = await self._connect()
+    async def _attempt(self, run: Callable[[Channel], Awaitable[T]], reuse: bool) -> T:
+        ch = self._pooled() if reuse else None
+        fresh = ch is None
+        if ch is None:
+            ch = await self._connect()
         self._busy.add(ch)
-        return ch
-
-    def _checkin(self, ch: Channel) -> None:
+        heard = ch.received
+        try:
+            result = await run(ch)
+        except PeerGone:
+            self._drop(ch)
+            if fresh or ch.received != heard:
+                raise  # a new connection failed, or the peer died mid-answer: it really is gone
+            raise _StalePooled(f"stale pooled connection to {self.peer}") from None
+        except BaseException:
+            self._drop(ch)  # failed or timed out: the stream position is unknown
+            raise
         self._busy.discard(ch)
         if self._closed or ch.broken:
             ch.abort()
         else:
             self._idle.append(ch)
+        return result
+
+    def _pooled(self) -> Channel | None:
+        while self._idle:
+            ch = self._idle.pop()
+            if ch.alive:
+                return ch
+            ch.abort()
+        return None
+
+    def _drop(self, ch: Channel) -> None:
+        self._busy.discard(ch)
+        ch.abort()
 
     async def _connect(self) -> Channel:
         try:

@@ -1,0 +1,226 @@
+"""`kvmesh cache-node` as a real process: put/lookup/get from this process, HTTP side port, KV
+events, a rejected header, a restart (misses, not errors) and a kill mid-transfer (a clean error)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from kvmesh.cli import build_parser
+from kvmesh.engine.cachenode.cli import settings_from_args
+from kvmesh.engine.kv.event_wire import decode_payload, seq_from_bytes, snapshot_from_json, to_internal
+from kvmesh.engine.transfer import protocol
+from kvmesh.engine.transfer.buffers import KVBlock
+from kvmesh.engine.transfer.client import KVClient
+from kvmesh.engine.transfer.errors import ConnectFailed, HeaderMismatch, PeerGone, TransferTimeout
+from kvmesh.engine.transfer.header import BlockHeader
+from kvmesh.engine.transfer.loop_thread import LoopThread
+
+from ..transfer.kvdata import blocks, layout
+
+pytestmark = pytest.mark.timeout(120)
+KVMESH = str(Path(sys.executable).with_name("kvmesh"))
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port_pair() -> int:
+    """A port P with P+1 also free (the KV events replay socket)."""
+    for _ in range(50):
+        (p,) = free_ports(1)
+        try:
+            with socket.socket() as a:
+                a.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+class NodeProc:
+    def __init__(self, memory: str = "64MiB", events: bool = True) -> None:
+        self.http_port, self.ucx_port = free_ports(2)
+        self.events_port = free_port_pair() if events else 0
+        self.memory = memory
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> NodeProc:
+        cmd = [KVMESH, "cache-node", "--memory", self.memory, "--host", "127.0.0.1", "--port", str(self.http_port),
+               "--ucx-port", str(self.ucx_port), "--node-id", "node-t", "--kv-events-port", str(self.events_port),
+               "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     env=dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n"))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"cache node exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                if self.http("/ready")[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("cache node did not become ready in 60 s")
+
+    def http(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(5)
+
+
+@pytest.fixture
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+def test_operator_command_line_parses(tmp_path):
+    cfg = tmp_path / "kvmesh.yaml"
+    cfg.write_text("cache:\n  memory: 8Gi\n")
+    args = build_parser().parse_args(["cache-node", "--memory", "8Gi", "--host", "0.0.0.0", "--port", "8000",
+                                      "--config", str(cfg)])
+    s = settings_from_args(args)
+    assert (s.memory, s.host, s.port, s.ucx_port) == (8 << 30, "0.0.0.0", 8000, 8001)
+    args = build_parser().parse_args(["cache-node", "--config", str(cfg), "--ucx-port", "9000"])
+    s = settings_from_args(args)
+    assert (s.memory, s.ucx_port) == (8 << 30, 9000)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["cache-node", "--memory", "lots"])
+
+
+def test_node_serves_blocks_http_and_events(loop):
+    node = NodeProc().start()
+    lay = layout(block_size=16, layers=4)
+    blks, sources = blocks(lay, 8)
+    hashes = [b.block_hash for b in blks]
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+    sub.connect(f"tcp://127.0.0.1:{node.events_port}")
+    try:
+        time.sleep(0.3)  # let the SUB connect before the first event
+        with KVClient("127.0.0.1", node.ucx_port, loop=loop, timeout=10) as c:
+            assert c.lookup(hashes).result(15) == 0
+            assert c.put(blks).result(15) == [protocol.STORED] * 8
+            assert c.put(blks[:3]).result(15) == [protocol.EXISTS] * 3
+            assert c.lookup(hashes).result(15) == 8
+            got = c.get(lay, hashes).result(15)
+            assert all(torch.equal(g.tensor(n), t) for g, src in zip(got, sources) for n, t in src.items())
+            with pytest.raises(HeaderMismatch) as e:
+                c.get(layout("float32", block_size=16, layers=4), hashes).result(15)
+            assert e.value.field == "extra_key"
+            stats = c.stats().result(15)
+            assert stats["blocks"] == 8 and stats["rejected_headers"] == 1 and stats["node_id"] == "node-t"
+
+        status, body = node.http("/metrics")
+        text = body.decode()
+        assert status == 200
+        for name in ("kvmesh_cachenode_capacity_bytes 6.7108864e+07", "kvmesh_cachenode_blocks 8.0",
+                     f"kvmesh_cachenode_used_bytes {8 * lay.nbytes}", "kvmesh_cachenode_puts_total 8.0",
+                     "kvmesh_cachenode_hit_blocks_total 8.0", "kvmesh_cachenode_rejected_headers_total 1.0",
+                     "kvmesh_cachenode_evictions_total 0.0"):
+            assert name in text, name
+        info = json.loads(node.http("/kv/info")[1])
+        assert info["ucx_port"] == node.ucx_port and info["tiers"] == ["remote"]
+        assert info["kv_events"]["port"] == node.events_port
+        snap = snapshot_from_json(json.loads(node.http("/kv/snapshot")[1]))
+        assert snap.hashes["remote"] == frozenset(hashes) and snap.engine_id == "node-t"
+        assert node.http("/health")[0] == 200 and node.http("/nope")[0] == 404
+
+        seen = []
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        while len(seen) < 8 and poller.poll(5000):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == b"kv-events/node-t" and seq_from_bytes(seq) >= 1
+            seen += [to_internal(ev) for ev in decode_payload(payload).events]
+        assert [h for ev in seen for h in ev.block_hashes] == hashes
+        assert {ev.tier for ev in seen} == {"remote"}
+    finally:
+        sub.close(0)
+        ctx.term()
+        assert node.stop() == 0
+
+
+@pytest.mark.slow  # two node start-ups
+def test_restart_means_misses_not_errors(loop):
+    node = NodeProc(events=False).start()
+    lay = layout()
+    blks, _ = blocks(lay, 4)
+    hashes = [b.block_hash for b in blks]
+    try:
+        with KVClient("127.0.0.1", node.ucx_port, loop=loop, timeout=10) as c:
+            c.put(blks).result(15)
+            assert c.lookup(hashes).result(15) == 4
+            node.stop()
+            node.start()  # same ports, empty store
+            assert c.lookup(hashes).result(15) == 0
+            assert c.get(lay, hashes).result(15) == []
+            assert c.put(blks[:1]).result(15) == [protocol.STORED]
+    finally:
+        node.stop()
+
+
+@pytest.mark.slow  # ~70 MB through the node
+def test_killed_node_mid_get_is_a_clean_bounded_error(loop):
+    node = NodeProc(memory="512MiB", events=False).start()
+    lay = layout(block_size=16, layers=30, heads=3, head_dim=64)  # the default model's geometry
+    blks, _ = blocks(lay, 8)
+    many = []
+    for i in range(24):  # 192 blocks, ~70 MB, re-using 8 payloads under distinct hashes
+        for j, b in enumerate(blks):
+            h = bytes([i, j]) + b.block_hash[2:]
+            many.append(KVBlock(BlockHeader(lay, h, None), b.data))
+    hashes = [b.block_hash for b in many]
+    try:
+        with KVClient("127.0.0.1", node.ucx_port, loop=loop, timeout=30) as c:
+            c.put(many).result(60)
+            fut = c.get(lay, hashes)
+            time.sleep(0.05)
+            node.stop(signal.SIGKILL)
+            t0 = time.monotonic()
+            try:
+                got = fut.result(40)
+                assert len(got) == len(hashes)  # it finished before the kill: still correct
+            except (PeerGone, TransferTimeout, ConnectFailed) as e:
+                assert not isinstance(e, TransferTimeout), f"a killed peer should be seen before the deadline: {e}"
+            assert time.monotonic() - t0 < 10
+            with pytest.raises((ConnectFailed, PeerGone)):
+                c.lookup(hashes).result(40)
+            assert c.open_connections == 0
+    finally:
+        node.stop()

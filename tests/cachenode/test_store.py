@@ -1,0 +1,136 @@
+"""BlockStore alone: LRU order, the byte budget, idempotent puts, longest-prefix lookup, events."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvmesh.engine.cachenode.store import WANTED, BlockStore
+from kvmesh.engine.kv.events import BlockRemoved, BlockStored, KVEventLog
+from kvmesh.engine.transfer.errors import HeaderMismatch
+from kvmesh.engine.transfer.header import BlockBatch, BlockHeader
+from kvmesh.engine.transfer.protocol import EXISTS, NO_ROOM, STORED, TOO_LARGE
+
+from ..transfer.kvdata import blocks, chain, layout
+
+LAY = layout()  # 2 layers x 2 x 4 tokens x 3 heads x 8 dims x 2 bytes = 768 bytes a block
+BLK = LAY.nbytes
+
+
+def store_of(n_blocks: int, **kw) -> BlockStore:
+    return BlockStore(n_blocks * BLK, **kw)
+
+
+def put_all(store, blks):
+    return [store.put(b.header, b.data) for b in blks]
+
+
+def test_put_lookup_get_longest_prefix():
+    s = store_of(10)
+    blks, _ = blocks(LAY, 5)
+    hashes = [b.block_hash for b in blks]
+    assert put_all(s, blks[:3] + blks[4:]) == [STORED] * 4
+    assert s.lookup(hashes) == 3
+    assert s.lookup(hashes[3:]) == 0
+    assert s.lookup([]) == 0
+    assert [b.header for b in s.get(LAY, hashes)] == [b.header for b in blks[:3]]
+    s.check_integrity()
+
+
+def test_lru_order_and_eviction_never_exceeds_budget():
+    s = store_of(3)
+    blks, _ = blocks(LAY, 6)
+    h = [b.block_hash for b in blks]
+    put_all(s, blks[:3])
+    assert s.lru_order() == h[:3]
+    s.lookup([h[0]])  # a probe is not a use
+    assert s.lru_order() == h[:3]
+    s.get(LAY, [h[0]])  # a read is
+    assert s.lru_order() == [h[1], h[2], h[0]]
+    for b in blks[3:]:
+        assert s.put(b.header, b.data) == STORED
+        assert s.used_bytes <= s.capacity_bytes
+        s.check_integrity()
+    assert s.lru_order() == h[3:]
+    assert s.stats.evictions == 3
+
+
+def test_idempotent_puts_and_concurrent_offers():
+    s = store_of(4)
+    blks, _ = blocks(LAY, 2)
+    assert put_all(s, blks) == [STORED, STORED]
+    assert put_all(s, blks) == [EXISTS, EXISTS]
+    assert s.num_blocks == 2 and s.used_bytes == 2 * BLK
+    # Two clients offer the same new block at once: only the first sends it.
+    (new,), _ = blocks(LAY, 1, seed=7)
+    batch = BlockBatch(LAY, [new.block_hash], [None])
+    assert s.offer(batch) == [WANTED]
+    assert s.offer(batch) == [EXISTS]
+    assert s.lookup([new.block_hash]) == 0  # in flight is not stored
+    assert s.commit(new.header, new.data) == STORED
+    assert s.offer(batch) == [EXISTS]
+    # Duplicates inside one batch are wanted once.
+    (dup,), _ = blocks(LAY, 1, seed=9)
+    assert s.offer(BlockBatch(LAY, [dup.block_hash] * 2, [None, None])) == [WANTED, EXISTS]
+    s.abandon(dup.block_hash)
+    s.check_integrity()
+
+
+def test_reservations_count_against_the_budget():
+    s = store_of(2)
+    blks, _ = blocks(LAY, 3)
+    batch = BlockBatch.of([b.header for b in blks])
+    assert s.offer(batch) == [WANTED, WANTED, NO_ROOM]  # in-flight bytes are never evicted
+    assert s.reserved_bytes == 2 * BLK
+    s.check_integrity()
+    s.abandon(blks[0].block_hash)
+    s.abandon(blks[0].block_hash)  # idempotent
+    assert s.commit(blks[1].header, blks[1].data) == STORED
+    assert s.reserved_bytes == 0 and s.used_bytes == BLK
+    with pytest.raises(KeyError):
+        s.commit(blks[0].header, blks[0].data)  # abandoned: not stored
+    s.check_integrity()
+
+
+def test_block_larger_than_budget_is_refused():
+    s = BlockStore(BLK - 1)
+    (b,), _ = blocks(LAY, 1)
+    assert s.put(b.header, b.data) == TOO_LARGE
+    assert s.num_blocks == 0 and s.used_bytes == 0
+
+
+def test_same_hash_other_layout_is_rejected():
+    s = store_of(4)
+    (b,), _ = blocks(LAY, 1)
+    s.put(b.header, b.data)
+    other = layout(layers=3)
+    other = type(other)(extra_key=LAY.extra_key, dtype=LAY.dtype, block_size=LAY.block_size, num_layers=3,
+                        num_kv_heads=LAY.num_kv_heads, head_dim=LAY.head_dim, buffers=other.buffers)
+    with pytest.raises(HeaderMismatch) as e:
+        s.put(BlockHeader(other, b.block_hash, None), np.zeros(other.nbytes, np.uint8))
+    assert e.value.field == "num_layers"
+    with pytest.raises(HeaderMismatch) as e:
+        s.get(other, [b.block_hash])
+    assert e.value.field == "num_layers"
+    with pytest.raises(HeaderMismatch) as e:
+        s.offer(BlockBatch(LAY, [b"short"], [None]))
+    assert e.value.field == "block_hash"
+    assert s.stats.rejected_headers == 3
+    s.check_integrity()
+
+
+def test_events_follow_the_contents():
+    log = KVEventLog("node-a")
+    s = store_of(2, on_event=log.publish)
+    blks, _ = blocks(LAY, 3)
+    put_all(s, blks)
+    events = [r.event for r in log.since(0)]
+    assert [type(e) for e in events] == [BlockStored, BlockStored, BlockRemoved, BlockStored]
+    assert all(e.tier == "remote" for e in events)
+    assert events[1].parent_hash == blks[0].block_hash
+    assert events[2].block_hashes == [blks[0].block_hash]
+    assert log.snapshot().hashes["remote"] == frozenset(s.lru_order())
+
+
+def test_chain_helper_is_the_engine_hash():
+    assert chain(LAY, 2) == [b.block_hash for b in blocks(LAY, 2)[0]]
