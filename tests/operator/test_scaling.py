@@ -1,0 +1,88 @@
+"""Drain-before-scale-down sequencing against a fake cluster and fake engines."""
+
+from kvmesh.operator.autoscaler import Decision
+from kvmesh.operator.scaling import PodInfo, PoolScaler
+
+
+class FakeCluster:
+    def __init__(self, in_flight):
+        self.in_flight_by_pod = dict(in_flight)  # pod -> in-flight requests (None: not answering)
+        self.replicas = len(in_flight)
+        self.drained: list[str] = []
+        self.marked: list[str] = []
+        self.calls: list[str] = []
+        self.events: list[tuple[str, str]] = []
+
+    def ready_pods(self, pool):
+        return [PodInfo(n, f"{n}:8000", v) for n, v in self.in_flight_by_pod.items()
+                if n not in self.drained]
+
+    def start_drain(self, pod):
+        self.drained.append(pod.name)
+        self.calls.append(f"drain {pod.name}")
+
+    def in_flight(self, pod):
+        return self.in_flight_by_pod.get(pod.name)
+
+    def mark_for_deletion(self, pool, pod):
+        self.marked.append(pod.name)
+        self.calls.append(f"mark {pod.name}")
+
+    def set_replicas(self, pool, n):
+        self.replicas = n
+        self.calls.append(f"replicas {n}")
+
+    def event(self, pool, reason, message):
+        self.events.append((reason, message))
+
+
+def decision(current, desired, reason="UnderUtilized"):
+    return Decision("decode", current, desired, reason, "KV occupancy 0.10 / target 0.80", 0.0)
+
+
+def test_scale_down_drains_the_least_loaded_pod_then_removes_exactly_it():
+    fake = FakeCluster({"a": 3, "b": 1, "c": 2})
+    s = PoolScaler("decode", fake, grace_s=300)
+    assert s.step(decision(3, 2), now=0) == "draining"
+    assert fake.calls == ["drain b"] and fake.replicas == 3
+    assert s.step(decision(3, 2), now=10) == "draining"  # b still has a request
+    fake.in_flight_by_pod["b"] = 0
+    assert s.step(decision(3, 2), now=20) == "scaled-down"
+    # Marked with the lowest deletion cost before replicas go down: the ReplicaSet takes b.
+    assert fake.calls == ["drain b", "mark b", "replicas 2"]
+    assert [r for r, _ in fake.events] == ["DrainingPod", "ScaledDown"]
+    assert "removed b (drained in 20s)" in fake.events[-1][1]
+
+
+def test_one_drain_at_a_time_and_the_wait_is_bounded_by_the_grace_period():
+    fake = FakeCluster({"a": 5, "b": 4})
+    s = PoolScaler("decode", fake, grace_s=60)
+    s.step(decision(2, 1), now=0)
+    assert s.step(decision(2, 1), now=30) == "draining"
+    assert fake.calls == ["drain b"]  # no second drain while the first runs
+    assert s.step(decision(2, 1), now=61) == "scaled-down"
+    assert fake.replicas == 1 and fake.marked == ["b"]
+    assert "4 request(s) still in flight after 60s" in fake.events[-1][1]
+
+
+def test_a_pod_that_vanished_while_draining_still_completes_the_scale_down():
+    fake = FakeCluster({"a": 0, "b": 2})
+    s = PoolScaler("decode", fake, grace_s=300)
+    s.step(decision(2, 1), now=0)
+    del fake.in_flight_by_pod["a"]
+    assert s.step(decision(2, 1), now=5) == "scaled-down" and fake.replicas == 1
+
+
+def test_pods_that_do_not_answer_are_drained_last():
+    fake = FakeCluster({"a": None, "b": 7})
+    PoolScaler("decode", fake, grace_s=300).step(decision(2, 1), now=0)
+    assert fake.drained == ["b"]
+
+
+def test_scale_up_is_immediate_and_hold_does_nothing():
+    fake = FakeCluster({"a": 1})
+    s = PoolScaler("decode", fake, grace_s=300)
+    assert s.step(decision(1, 3, "KVOccupancyHigh"), now=0) == "scaled-up"
+    assert fake.replicas == 3 and fake.events[0][0] == "ScaledUp"
+    assert s.step(decision(3, 3, "WithinTarget"), now=1) == "hold"
+    assert fake.calls == ["replicas 3"]
