@@ -70,6 +70,23 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 KVEventHandler = Callable[[KVEvent], None]
 
 
+def apply_event(tiers: dict[str, set[BlockHash]], event: KVEvent) -> None:
+    """Apply one event to per-tier hash sets: stored adds, removed discards, cleared empties.
+
+    The one definition of what an event means for cache contents; the engine's log, every
+    mirror of it and the router's index all replay events through it.
+    """
+    cached = tiers.setdefault(check_tier(event.tier), set())
+    if isinstance(event, BlockStored):
+        cached.update(event.block_hashes)
+    elif isinstance(event, BlockRemoved):
+        cached.difference_update(event.block_hashes)
+    elif isinstance(event, AllBlocksCleared):
+        cached.clear()
+    else:
+        raise TypeError(f"not a KV event: {event!r}")
+
+
 @dataclass(frozen=True)
 class KVEventRecord:
     seq: int
@@ -110,20 +127,12 @@ class KVEventLog:
         self._cached: dict[str, set[BlockHash]] = {t: set() for t in TIERS}
 
     def publish(self, event: KVEvent) -> KVEventRecord:
-        tier = check_tier(event.tier)
+        check_tier(event.tier)  # reject before the event takes a sequence number
         with self._lock:
             self._seq += 1
             rec = KVEventRecord(self._seq, self.engine_id, self._clock(), event)
             self._ring.append(rec)
-            cached = self._cached[tier]
-            if isinstance(event, BlockStored):
-                cached.update(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                cached.difference_update(event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                cached.clear()
-            else:  # pragma: no cover - guarded by the type annotation
-                raise TypeError(f"not a KV event: {event!r}")
+            apply_event(self._cached, event)
             self._new_records.notify_all()
             return rec
 

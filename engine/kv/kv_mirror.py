@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .block_hash import BlockHash
-from .events import TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventRecord, KVSnapshot
+from .events import TIERS, KVEvent, KVEventRecord, KVSnapshot, apply_event
 
 
 def _empty_tiers() -> dict[str, set[BlockHash]]:
@@ -38,15 +38,7 @@ class KVCacheMirror:
             self.hashes.setdefault(tier, set()).update(hs)
 
     def apply(self, event: KVEvent) -> None:
-        cached = self.hashes.setdefault(event.tier, set())
-        if isinstance(event, BlockStored):
-            cached.update(event.block_hashes)
-        elif isinstance(event, BlockRemoved):
-            cached.difference_update(event.block_hashes)
-        elif isinstance(event, AllBlocksCleared):
-            cached.clear()
-        else:
-            raise TypeError(f"not a KV event: {event!r}")
+        apply_event(self.hashes, event)
 
     def apply_record(self, rec: KVEventRecord) -> None:
         """Apply one record; the caller guarantees records arrive in seq order without gaps."""

@@ -22,11 +22,9 @@ from kvmesh.engine.kv.events import (
     TIER_GPU,
     TIER_REMOTE,
     TIERS,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     KVEvent,
     KVSnapshot,
+    apply_event,
     check_tier,
 )
 
@@ -75,15 +73,7 @@ class PrefixIndex:
     # ---- mutation ------------------------------------------------------------------------
     def apply(self, engine: str, event: KVEvent) -> None:
         """Apply one event from ``engine`` (an unknown engine is added)."""
-        tiers = self._entry(engine).tiers
-        if isinstance(event, BlockStored):
-            tiers[check_tier(event.tier)].update(event.block_hashes)
-        elif isinstance(event, BlockRemoved):
-            tiers[check_tier(event.tier)].difference_update(event.block_hashes)
-        elif isinstance(event, AllBlocksCleared):
-            tiers[check_tier(event.tier)].clear()
-        else:
-            raise TypeError(f"not a KV event: {event!r}")
+        apply_event(self._entry(engine).tiers, event)
 
     def reset(self, engine: str, snapshot: KVSnapshot) -> None:
         """Replace everything known about ``engine`` with ``snapshot``'s contents."""
