@@ -48,7 +48,8 @@ class EmptyPromptError(InvalidPromptError):
 
 
 class PromptTooLongError(ValueError):
-    """Prompt plus max_tokens exceed what the engine can hold; the message names the limit."""
+    """The request exceeds a length limit (model length, KV cache, or with chunked prefill off
+    the step budget); the message names the limit."""
 
 
 class DuplicateRequestError(ValueError):

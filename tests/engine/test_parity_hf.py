@@ -146,3 +146,24 @@ def test_block_sizes_with_prefix_hits(loaded, prompts, hf_reference, block_size)
     ties += _compare(again, hf_reference)
     assert sum(r.num_cached_tokens for r in again) > 0
     print(f"block size {block_size}: near ties {ties}")
+
+
+def test_preemption_with_prefix_caching(loaded, prompts, hf_reference):
+    """Preempted requests come back partly from the prefix cache: recompute must still match."""
+    longest = max(len(p) for p in prompts) + MAX_NEW
+    llm = _engine(loaded, num_kv_blocks=-(-longest // 16) + 2, enable_prefix_caching=True)
+    ties = _compare(llm.generate(prompts, _params()), hf_reference)
+    ties += _compare(llm.generate(prompts, _params()), hf_reference)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0, "the tiny pool forced no preemption"
+    print(f"preemption with prefix caching: {stats.num_preemptions} preemptions, near ties {ties}")
+
+
+def test_chunked_prefill_budget_not_multiple_of_block_size(loaded, prompts, hf_reference):
+    """Chunks that end mid-block: a block is filled across steps and cached once full."""
+    llm = _engine(loaded, max_num_batched_tokens=23, block_size=16)
+    ties = _compare(llm.generate(prompts, _params()), hf_reference)
+    again = llm.generate(prompts, _params())
+    ties += _compare(again, hf_reference)
+    assert sum(r.num_cached_tokens for r in again) > 0
+    print(f"chunked prefill (budget 23, block 16): near ties {ties}")

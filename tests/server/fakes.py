@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvmesh.engine.config import EngineConfig
-from kvmesh.engine.engine import DuplicateRequestError, EngineStats, PromptTooLongError
+from kvmesh.engine.engine import DuplicateRequestError, EmptyPromptError, EngineStats, PromptTooLongError
 from kvmesh.engine.model.tokenizer import ChatTemplateError
 from kvmesh.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from kvmesh.engine.sampling import SamplingParams
@@ -90,7 +90,7 @@ class FakeEngine:
                     priority: int = 0, arrival_time: float | None = None) -> None:
         params.validate()
         if not prompt_token_ids:
-            raise PromptTooLongError("the prompt is empty; send at least one token")
+            raise EmptyPromptError("the prompt is empty; send at least one token")
         if any(not 0 <= t < self.model_config.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
