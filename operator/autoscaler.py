@@ -288,3 +288,21 @@ def decide(spec: s.InferenceSpec, window: MetricsWindow, state: AutoscalerState,
     last = {**state.last, **decisions}
     return decisions, replace(state, replicas=replicas, history=history,
                               observing_since=observing, last=last)
+
+
+def effective_replicas(spec: s.InferenceSpec, status: Mapping[str, object] | None) -> dict[str, int]:
+    """The replicas each pool's Deployment gets: `spec.<pool>.replicas`, except
+    that with autoscaling on, a resized pool keeps the autoscaler's last choice
+    (`status.autoscaling.<pool>.desiredReplicas`, written before it scales),
+    clamped to the pool's bounds. Reading it from the status keeps the choice
+    across operator restarts and makes the render pass agree with the autoscaler.
+    """
+    out = {c: spec.component(c).replicas for c in s.COMPONENTS}
+    if not spec.autoscaling.enabled:
+        return out
+    auto = (status or {}).get("autoscaling") or {}
+    for c in autoscaled_pools(spec):
+        lo, hi = bounds(spec, c)
+        chosen = (auto.get(c) or {}).get("desiredReplicas") if isinstance(auto, Mapping) else None
+        out[c] = min(hi, max(lo, int(chosen))) if chosen is not None else min(hi, max(lo, out[c]))
+    return out

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import yaml
 
 from . import spec as s
-from .autoscaler import autoscaled_pools
+from .autoscaler import autoscaled_pools, effective_replicas
 from .quantity import add_bytes, format_bytes, parse_quantity
 
 ENGINE_PORT = 8000
@@ -286,8 +286,10 @@ def _container_ports(engine: bool) -> list[dict[str, Any]]:
 
 
 def render_deployment(
-    spec: s.InferenceSpec, owner: Owner, component: str, config: Mapping[str, Any]
+    spec: s.InferenceSpec, owner: Owner, component: str, config: Mapping[str, Any],
+    replicas: int | None = None,
 ) -> dict[str, Any]:
+    """`replicas` overrides the spec's (the autoscaler's choice, autoscaler.effective_replicas)."""
     c = spec.component(component)
     engine = component in ("prefill", "decode")
     volumes: list[dict[str, Any]] = [
@@ -343,7 +345,7 @@ def render_deployment(
         "kind": "Deployment",
         "metadata": _meta(owner, child_name(owner, component), component),
         "spec": {
-            "replicas": c.replicas,
+            "replicas": c.replicas if replicas is None else replicas,
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector_labels(owner, component)},
             # Keep serving capacity during a rollout: add the new pod first.
@@ -401,8 +403,9 @@ def render_all(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
     owner = Owner.from_object(obj)
     spec = s.parse_spec(obj.get("spec") or {})
     config = engine_config(spec, owner)
+    replicas = effective_replicas(spec, obj.get("status"))
     out = [render_configmap(owner, config)]
     for component in s.COMPONENTS:
-        out.append(render_deployment(spec, owner, component, config))
+        out.append(render_deployment(spec, owner, component, config, replicas[component]))
         out.append(render_service(owner, component))
     return out

@@ -65,11 +65,26 @@ def _component_status() -> dict[str, Any]:
     )
 
 
+def _autoscaling_status() -> dict[str, Any]:
+    return obj(
+        "The autoscaler's last decision for one pool.",
+        {
+            "desiredReplicas": integer("Replicas the autoscaler chose (the Deployment gets these)."),
+            "currentReplicas": integer("Replicas when it decided."),
+            "reason": string("CamelCase reason of the last decision."),
+            "message": string("The signals behind it, against their targets."),
+            "lastDecisionTime": string("When it last decided.", format="date-time"),
+            "lastScaleTime": string("When it last changed the replicas.", format="date-time"),
+            "drainingPod": string("The pod being drained before a scale-down, if any."),
+        },
+    )
+
+
 def status_schema() -> dict[str, Any]:
     condition = obj(
         "A standard condition.",
         {
-            "type": string("Ready, Progressing or Degraded."),
+            "type": string("Ready, Progressing, Degraded or SLOMet."),
             "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
             "reason": string("CamelCase reason."),
             "message": string("Human-readable detail."),
@@ -89,6 +104,10 @@ def status_schema() -> dict[str, Any]:
             "routerURL": string("In-cluster URL of the router Service."),
             "components": obj(
                 "Per-pool replica counts.", {c: _component_status() for c in s.COMPONENTS}
+            ),
+            "autoscaling": obj(
+                "The autoscaler's view of each pool it resizes.",
+                {c: _autoscaling_status() for c in ("prefill", "decode")},
             ),
             "conditions": {
                 "type": "array",

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from . import spec as s
+from .autoscaler import effective_replicas
 from .render import Owner, router_url
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
@@ -116,6 +117,10 @@ def _set(
     }
 
 
+def router_ready(pools: list[PoolState]) -> bool:
+    return any(p.component == "router" and p.exists and p.ready > 0 for p in pools)
+
+
 def compute_status(
     obj: Mapping[str, Any],
     deployments: Mapping[str, Mapping[str, Any] | None],
@@ -135,7 +140,7 @@ def compute_status(
     }
     try:
         spec = s.parse_spec(obj.get("spec") or {})
-        desired = {c: spec.component(c).replicas for c in s.COMPONENTS}
+        desired = effective_replicas(spec, obj.get("status"))
     except s.SpecError as exc:
         desired = {c: 0 for c in s.COMPONENTS}
         error, error_reason = str(exc), "InvalidSpec"
@@ -171,9 +176,13 @@ def compute_status(
              summary(moving) if moving else "all pools at their desired state", gen, now),
         _set(previous, "Degraded", degraded[0], degraded[1], degraded[2], gen, now),
     ]
+    # Conditions other writers own (SLOMet, from the autoscaler) are kept as they are:
+    # a merge patch replaces the whole list.
+    conditions += [c for t, c in previous.items() if t not in CONDITION_TYPES]
     return {
         "observedGeneration": gen,
-        "routerURL": router_url(owner),
+        # Only while a router pod can answer: a URL nothing serves misleads clients.
+        "routerURL": router_url(owner) if router_ready(pools) else None,
         "components": {
             p.component: {
                 "desiredReplicas": p.desired,

@@ -128,3 +128,42 @@ def test_pool_state_of_missing_deployment():
     p = pool_state("decode", 2, None)
     assert not p.exists and not p.is_ready
     assert set(COMPONENTS) == set(DESIRED)
+
+
+def test_router_url_only_while_a_router_pod_is_ready():
+    deps = all_ready()
+    deps["router"] = dep(1, ready=0)
+    assert compute_status(make_cr(), deps, T0)["routerURL"] is None
+    spec = make_cr()["spec"]
+    spec["router"]["replicas"] = 0
+    deps["router"] = dep(0)
+    assert compute_status(make_cr(spec=spec), deps, T0)["routerURL"] is None
+
+
+def test_autoscaled_pools_are_judged_against_the_autoscalers_choice_and_slomet_is_kept():
+    spec = make_cr()["spec"]
+    spec["decode"].update({"minReplicas": 1, "maxReplicas": 6})
+    spec["autoscaling"] = {"enabled": True}
+    slo = {"type": "SLOMet", "status": "False", "reason": "TPOTAboveSLO", "message": "",
+           "lastTransitionTime": T0, "observedGeneration": 1}
+    obj = make_cr(spec=spec, status={"autoscaling": {"decode": {"desiredReplicas": 4}},
+                                     "conditions": [slo]})
+    deps = all_ready()
+    deps["decode"] = dep(4)
+    st = compute_status(obj, deps, T1)
+    assert st["components"]["decode"]["desiredReplicas"] == 4
+    assert cond(st, "Ready")["status"] == "True"
+    assert cond(st, "SLOMet") == slo
+
+
+def test_effective_replicas_clamp_the_autoscalers_choice_to_the_bounds():
+    from kvmesh.operator.autoscaler import effective_replicas
+    from kvmesh.operator.spec import parse_spec
+
+    spec = make_cr()["spec"]
+    spec["decode"].update({"minReplicas": 1, "maxReplicas": 3})
+    status = {"autoscaling": {"decode": {"desiredReplicas": 9}, "prefill": {}}}
+    assert effective_replicas(parse_spec(spec), status)["decode"] == 2  # autoscaling off: spec
+    spec["autoscaling"] = {"enabled": True}
+    got = effective_replicas(parse_spec(spec), status)
+    assert (got["decode"], got["prefill"], got["cache"]) == (3, 1, 1)
