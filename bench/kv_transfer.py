@@ -1,0 +1,151 @@
+"""KV block transfer throughput: a `kvmesh cache-node` process and this one, against a plain socket.
+
+Moves ``--tokens`` tokens of KV in the default model's geometry (30 layers x K,V x 3 heads x 64
+dims x bf16 = 23,040 bytes a token; 16-token blocks) as one batched put and one batched get, and
+the same bytes through a plain loopback TCP socket between two processes (sendall / recv_into
+into preallocated buffers). Each UCX_TLS setting gets its own node process (UCX reads it at start).
+
+    cd / && /work/main/.venv/bin/python /work/main/bench/kv_transfer.py --tls tcp --tls tcp,sm,self
+
+Reports the median of ``--repeat`` runs in GB/s (10^9 bytes per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from kvmesh.engine.kv.block_hash import extra_key, hash_blocks
+from kvmesh.engine.transfer.buffers import KVBlock
+from kvmesh.engine.transfer.client import KVClient
+from kvmesh.engine.transfer.header import BlockHeader, kv_layout
+
+BLOCK_SIZE = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _socket_sender(port: int, nbytes: int, repeat: int) -> None:
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        for _ in range(repeat):
+            s.recv(1)  # go
+            s.sendall(memoryview(data))
+
+
+def socket_gbps(nbytes: int, repeat: int) -> list[float]:
+    """Plain TCP over loopback between two processes, into a preallocated buffer."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    proc = mp.get_context("spawn").Process(target=_socket_sender, args=(srv.getsockname()[1], nbytes, repeat))
+    proc.start()
+    conn, _ = srv.accept()
+    buf = np.empty(nbytes, np.uint8)
+    buf[:] = 0  # touch the pages once, as a pool would be
+    view = memoryview(buf)
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        conn.sendall(b"g")
+        got = 0
+        while got < nbytes:
+            got += conn.recv_into(view[got:], nbytes - got)
+        out.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    conn.close()
+    srv.close()
+    proc.join()
+    return out
+
+
+def make_blocks(tokens: int) -> list[KVBlock]:
+    extra = extra_key("bench-model", "bfloat16")
+    layout = kv_layout(extra, "bfloat16", BLOCK_SIZE, 30, 3, 64)
+    hashes = hash_blocks(list(range(tokens)), BLOCK_SIZE, extra)
+    rng = np.random.default_rng(1)
+    out, parent = [], None
+    for h in hashes:
+        out.append(KVBlock(BlockHeader(layout, h, parent), rng.integers(0, 255, layout.nbytes, dtype=np.uint8)))
+        parent = h
+    return out
+
+
+def ucx_gbps(tls: str, blocks: list[KVBlock], repeat: int) -> dict[str, list[float]]:
+    http_port, ucx_port = _free_port(), _free_port()
+    env = dict(os.environ, UCX_TLS=tls, UCX_WARN_UNUSED_ENV_VARS="n")
+    kvmesh = str(Path(sys.executable).with_name("kvmesh"))
+    nbytes = sum(b.nbytes for b in blocks)
+    node = subprocess.Popen([kvmesh, "cache-node", "--memory", str(4 * nbytes), "--host", "127.0.0.1",
+                             "--port", str(http_port), "--ucx-port", str(ucx_port), "--log-level", "warning"],
+                            cwd="/", env=env)
+    os.environ["UCX_TLS"] = tls  # this process's ucxx context is created by the first client below
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/ready", timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.1)
+        layout = blocks[0].header.layout
+        hashes = [b.block_hash for b in blocks]
+        res: dict[str, list[float]] = {"put": [], "get": []}
+        with KVClient("127.0.0.1", ucx_port, timeout=120) as c:
+            for i in range(repeat):
+                # Fresh hashes per round, so every put really moves its bytes.
+                round_blocks = [KVBlock(BlockHeader(layout, bytes([i]) + b.block_hash[1:], None), b.data)
+                                for b in blocks]
+                t0 = time.perf_counter()
+                statuses = c.put(round_blocks).result(300)
+                res["put"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                assert statuses.count("stored") == len(blocks), statuses[:3]
+                t0 = time.perf_counter()
+                got = c.get(layout, [b.block_hash for b in round_blocks]).result(300)
+                res["get"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                assert len(got) == len(hashes) and np.array_equal(got[-1].data, blocks[-1].data)
+        return res
+    finally:
+        node.terminate()
+        node.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--tls", action="append", default=None, help="UCX_TLS value(s) to try (default: tcp)")
+    ap.add_argument("--one-tls", default=None, help=argparse.SUPPRESS)  # child mode: one setting, JSON out
+    args = ap.parse_args()
+    blocks = make_blocks(args.tokens)
+    if args.one_tls:
+        print(json.dumps(ucx_gbps(args.one_tls, blocks, args.repeat)))
+        return
+    nbytes = sum(b.nbytes for b in blocks)
+    med = statistics.median
+    report: dict[str, object] = {"tokens": args.tokens, "blocks": len(blocks), "bytes": nbytes,
+                                 "socket_gbps": round(med(socket_gbps(nbytes, args.repeat)), 3)}
+    for tls in args.tls or ["tcp"]:
+        # A child process per setting: ucxx reads UCX_TLS once, when its context is created.
+        out = subprocess.run([sys.executable, __file__, "--tokens", str(args.tokens), "--repeat", str(args.repeat),
+                              "--one-tls", tls], cwd="/", capture_output=True, text=True, check=True)
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        report[f"ucx[{tls}]"] = {f"{k}_gbps": round(med(v), 3) for k, v in res.items()}
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
