@@ -1,0 +1,81 @@
+"""The autoscaler's control loop against a fake metric source and fake cluster."""
+
+from kvmesh.operator.autoscale_loop import AutoscaleIO, AutoscaleRunner
+from kvmesh.operator.autoscaler import PoolSample
+from kvmesh.operator.scaling import PodInfo
+
+from .conftest import make_cr
+
+
+class Fakes:
+    def __init__(self, obj, kv):
+        self.obj, self.kv = obj, kv
+        self.pods = {"decode": [PodInfo("llm-decode-x-a", "10.0.0.1:8000", 2),
+                                PodInfo("llm-decode-x-b", "10.0.0.2:8000", 0)]}
+        self.patches, self.applies, self.events, self.drained, self.marked = [], [], [], [], []
+        self.in_flight_left = 0
+
+    def sample(self, target, now):
+        n = len(target.endpoints)
+        return PoolSample(t=now, pods=n, kv_occupancy=self.kv if target.component == "decode" else None,
+                          tpot_s=0.02, ttft_s=0.1, queued_prefill_tokens=0.0)
+
+    def patch_status(self, ns, name, patch):
+        self.patches.append(patch)
+        status = dict(self.obj.get("status") or {})
+        for k, v in patch.items():
+            if k == "autoscaling":
+                merged = dict(status.get(k) or {})
+                for pool, fields in v.items():
+                    merged[pool] = {**(merged.get(pool) or {}), **fields}
+                status[k] = merged
+            else:
+                status[k] = v
+        self.obj["status"] = status
+
+    def io(self):
+        return AutoscaleIO(
+            ready_pods=lambda ns, name, pool: self.pods.get(pool, []),
+            start_drain=lambda pod: self.drained.append(pod.name),
+            in_flight=lambda pod: self.in_flight_left,
+            mark_for_deletion=lambda ns, pod: self.marked.append(pod.name),
+            patch_status=self.patch_status,
+            apply_replicas=lambda ns, name: self.applies.append(name),
+            event=lambda obj, reason, message: self.events.append(reason))
+
+
+def cr(up=0, down=0):
+    spec = make_cr()["spec"]
+    spec["decode"].update({"replicas": 2, "minReplicas": 1, "maxReplicas": 4})
+    spec["autoscaling"] = {"enabled": True, "scaleUpStabilizationSeconds": up,
+                           "scaleDownStabilizationSeconds": down}
+    return make_cr(spec=spec)
+
+
+def test_scale_up_records_the_choice_in_status_then_reconciles_and_reports():
+    obj = cr()
+    f = Fakes(obj, kv=1.0)
+    runner = AutoscaleRunner(f, f.io())
+    decisions = runner.tick(obj, now=1000.0)
+    assert decisions["decode"].desired == 3
+    assert obj["status"]["autoscaling"]["decode"]["desiredReplicas"] == 3
+    assert f.applies == ["llm"] and f.events == ["ScaledUp"]
+    slo = [c for c in obj["status"]["conditions"] if c["type"] == "SLOMet"][0]
+    assert slo["status"] == "True" and "TPOT p95 20ms / SLO 50ms" in slo["message"]
+
+
+def test_scale_down_drains_first_and_lowers_replicas_only_when_drained():
+    obj = cr()
+    f = Fakes(obj, kv=0.05)
+    runner = AutoscaleRunner(f, f.io())
+    runner.tick(obj, now=1000.0)
+    assert f.drained == ["llm-decode-x-b"] and f.applies == []
+    assert obj["status"]["autoscaling"]["decode"]["drainingPod"] == "llm-decode-x-b"
+    f.in_flight_left = 1
+    runner.tick(obj, now=1010.0)
+    assert f.applies == []  # still a request in flight on the victim
+    f.in_flight_left = 0
+    runner.tick(obj, now=1020.0)
+    assert f.marked == ["llm-decode-x-b"] and f.applies == ["llm"]
+    assert obj["status"]["autoscaling"]["decode"]["desiredReplicas"] == 1
+    assert f.events == ["DrainingPod", "ScaledDown"]
