@@ -192,7 +192,7 @@ def test_put_abandoned_mid_payload_gives_reservations_back(loop):
         from kvmesh.engine.transfer.client import AsyncKVClient
         from kvmesh.engine.transfer.header import BlockBatch
         c = AsyncKVClient("127.0.0.1", node.server.port)
-        ch = await c._checkout()
+        ch = await c._connect()
         await ch.send(protocol.PutOffer(BlockBatch.of([b.header for b in blks])))
         await ch.expect(protocol.PutWant)
         await ch.send_payloads([blks[0].data])
