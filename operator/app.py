@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 
 import kopf
@@ -21,8 +22,12 @@ from . import kube
 from . import spec as s
 from .health import HealthState, serve_health
 from .leader import LeaseElector, LeaseStore
+from . import engine_admin
+from .autoscale_loop import AutoscaleIO, AutoscaleRunner
+from .metrics_source import PodScrapeSource, PrometheusSource
 from .reconcile import KubeOps, Reconciler, ReconcileError
-from .render import MANAGED_BY, OWNER_LABEL
+from .render import ENGINE_PORT, MANAGED_BY, OWNER_LABEL
+from .scaling import DELETION_COST, LOWEST_COST, PodInfo
 
 log = logging.getLogger("kvmesh.operator")
 
@@ -40,6 +45,8 @@ class OperatorOptions:
     health_host: str = "0.0.0.0"
     health_port: int | None = 8080
     resync_s: float = 60.0
+    prometheus_url: str | None = None  # None: the autoscaler scrapes the pods itself
+    autoscale_s: float = 15.0
 
 
 def production_ops() -> KubeOps:
@@ -50,6 +57,48 @@ def production_ops() -> KubeOps:
         patch_status=kube.patch_status,
         apply_error=kube.ApplyError,
     )
+
+
+def production_autoscaler(reconciler: Reconciler, opts: OperatorOptions) -> AutoscaleRunner:
+    source = PrometheusSource(opts.prometheus_url) if opts.prometheus_url else PodScrapeSource()
+
+    def pods(ns: str, name: str, pool: str) -> list[PodInfo]:
+        found = kube.ready_pool_pods(ns, name, pool, ENGINE_PORT)
+        return [PodInfo(p["name"], p["endpoint"], engine_admin.in_flight(p["endpoint"]))
+                for p in found]
+
+    def apply_replicas(ns: str, name: str) -> None:
+        _run(reconciler, ns, name)
+
+    return AutoscaleRunner(source, AutoscaleIO(
+        ready_pods=pods,
+        start_drain=lambda pod: engine_admin.start_drain(pod.endpoint),
+        in_flight=lambda pod: engine_admin.in_flight(pod.endpoint),
+        mark_for_deletion=lambda ns, pod: kube.annotate_pod(ns, pod.name,
+                                                            {DELETION_COST: str(LOWEST_COST)}),
+        patch_status=kube.patch_status,
+        apply_replicas=apply_replicas,
+        event=kube.emit_event,
+    ))
+
+
+async def _autoscale_forever(runner: AutoscaleRunner, opts: OperatorOptions) -> None:
+    """One autoscaler tick per CR every autoscale_s seconds (also reports SLOMet when off)."""
+    while True:
+        await asyncio.sleep(opts.autoscale_s)
+        try:
+            objects = []
+            for ns in opts.namespaces or [None]:
+                objects += await asyncio.to_thread(kube.list_inference_deployments, ns)
+        except Exception as exc:
+            log.warning("autoscaler: listing failed: %s", exc)
+            continue
+        for obj in objects:
+            try:
+                await asyncio.to_thread(runner.tick, obj, time.time())
+            except Exception as exc:  # one CR's failure must not stop the others
+                meta = obj.get("metadata", {})
+                log.warning("autoscaler: %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)
 
 
 def _run(reconciler: Reconciler, namespace: str | None, name: str | None) -> None:
@@ -153,7 +202,9 @@ async def run_operator(opts: OperatorOptions) -> int:
             namespaces=opts.namespaces,
             stop_flag=stop,
         ))
-        others = [asyncio.create_task(_resync_forever(reconciler, opts))]
+        others = [asyncio.create_task(_resync_forever(reconciler, opts)),
+                  asyncio.create_task(_autoscale_forever(production_autoscaler(reconciler, opts),
+                                                         opts))]
         hold = asyncio.create_task(elector.hold()) if elector is not None else None
         waiting = {kopf_task} | ({hold} if hold else set())
         done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)

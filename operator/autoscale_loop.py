@@ -83,6 +83,19 @@ class _PoolIO:
         self.r.io.event(self.obj, reason, message)
 
 
+def _changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether `new` says anything beyond a fresher lastDecisionTime: each status
+    write is a watch event and a reconcile pass, so an unchanged one is skipped."""
+    def strip(pools: Any) -> dict:
+        return {p: {k: v for k, v in (e or {}).items() if k != "lastDecisionTime"}
+                for p, e in (pools or {}).items()}
+    old_pools = strip(old.get("autoscaling"))
+    if any(old_pools.get(p, {}).get(k) != v for p, e in strip(new["autoscaling"]).items()
+           for k, v in e.items()):
+        return True
+    return list(old.get("conditions") or []) != new["conditions"]
+
+
 @dataclass
 class AutoscaleRunner:
     source: MetricsSource
@@ -125,7 +138,9 @@ class AutoscaleRunner:
                     pool, pool_io, spec.component(pool).termination_grace_period_seconds)
             scaler.io = pool_io
             scaler.step(d, now)
-        self.io.patch_status(ns, name, self.status(obj, decisions, tracked, now))
+        status = self.status(obj, decisions, tracked, now)
+        if _changed(obj.get("status") or {}, status):
+            self.io.patch_status(ns, name, status)
         return decisions
 
     def status(self, obj: Mapping[str, Any], decisions: Mapping[str, Decision], tracked: _Tracked,

@@ -54,6 +54,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-host", default="0.0.0.0")
     parser.add_argument("--resync-period", type=_positive, default=60.0, metavar="S",
                         help="reconcile every object this often as a backstop (default 60)")
+    parser.add_argument("--prometheus-url", default=None, metavar="URL",
+                        help="autoscaler metrics from this Prometheus (HTTP API); default: scrape "
+                             "the pools' pods' /metrics directly")
+    parser.add_argument("--autoscale-period", type=_positive, default=15.0, metavar="S",
+                        help="how often the autoscaler samples and decides (default 15; keep it "
+                             "well under metricsWindowSeconds)")
     parser.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", "INFO"),
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -76,6 +82,8 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         health_host=args.health_host,
         health_port=args.health_port or None,
         resync_s=args.resync_period,
+        prometheus_url=args.prometheus_url,
+        autoscale_s=args.autoscale_period,
     )
 
 

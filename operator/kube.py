@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+from datetime import datetime, timezone
 from typing import Any, Mapping
 
 from kubernetes import client, config
@@ -131,3 +132,38 @@ def patch_status(namespace: str, name: str, status: Mapping[str, Any]) -> None:
     except ApiException as exc:
         if exc.status != 404:  # deleted meanwhile: nothing left to report on
             raise
+
+
+# ---- autoscaling (pods of a pool, deletion cost, events) ----------------------------------
+def ready_pool_pods(namespace: str, owner_name: str, component: str, port: int) -> list[dict]:
+    """Ready pods of one pool: [{"name", "endpoint"}] (the pool's selector labels)."""
+    selector = (f"app.kubernetes.io/name=kvmesh,app.kubernetes.io/instance={owner_name},"
+                f"app.kubernetes.io/component={component}")
+    pods = client.CoreV1Api(api_client()).list_namespaced_pod(namespace, label_selector=selector)
+    out = []
+    for pod in pods.items:
+        ready = any(c.type == "Ready" and c.status == "True"
+                    for c in (pod.status.conditions or ()))
+        if ready and pod.status.pod_ip and not pod.metadata.deletion_timestamp:
+            out.append({"name": pod.metadata.name, "endpoint": f"{pod.status.pod_ip}:{port}"})
+    return out
+
+
+def annotate_pod(namespace: str, pod: str, annotations: Mapping[str, str]) -> None:
+    client.CoreV1Api(api_client()).patch_namespaced_pod(
+        pod, namespace, {"metadata": {"annotations": dict(annotations)}}, _content_type=MERGE)
+
+
+def emit_event(obj: Mapping[str, Any], reason: str, message: str, type_: str = "Normal") -> None:
+    """A core/v1 Event on the InferenceDeployment (what `kubectl describe infd` shows)."""
+    meta = obj["metadata"]
+    now = datetime.now(timezone.utc)
+    body = client.CoreV1Event(
+        metadata=client.V1ObjectMeta(generate_name=f"{meta['name']}.", namespace=meta["namespace"]),
+        involved_object=client.V1ObjectReference(
+            api_version=f"{s.GROUP}/{s.VERSION}", kind=s.KIND, name=meta["name"],
+            namespace=meta["namespace"], uid=meta.get("uid")),
+        reason=reason, message=message[:1024], type=type_, count=1,
+        first_timestamp=now, last_timestamp=now,
+        source=client.V1EventSource(component=FIELD_MANAGER))
+    client.CoreV1Api(api_client()).create_namespaced_event(meta["namespace"], body)

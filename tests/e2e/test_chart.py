@@ -57,7 +57,9 @@ def test_template_defaults(cluster, helm_home):
                for r in rule["resources"] for v in rule["verbs"]}
     assert not any(v in ("delete", "deletecollection", "update", "*") for g, r, v in granted
                    if r != "inferencedeployments/finalizers"), granted
-    assert not any(r in ("secrets", "pods", "*") for _, r, _ in granted), granted
+    assert not any(r in ("secrets", "*") for _, r, _ in granted), granted
+    # Pods: read, and patch for the autoscaler's deletion-cost mark; never create or delete.
+    assert {v for _, r, v in granted if r == "pods"} == {"get", "list", "patch"}, granted
 
 
 def test_template_options(cluster, helm_home):
@@ -170,6 +172,8 @@ def test_operator_runs_under_its_service_account(cluster, installed, crd_install
     ("update", "deployments", "apps", "", False),
     ("get", "secrets", "", "", False),
     ("create", "pods", "", "", False),
+    ("delete", "pods", "", "", False),
+    ("patch", "pods", "", "", True),
     ("patch", "inferencedeployments", "serving.kvmesh.io", "", False),
     ("delete", "inferencedeployments", "serving.kvmesh.io", "", False),
 ])

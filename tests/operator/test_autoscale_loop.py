@@ -79,3 +79,13 @@ def test_scale_down_drains_first_and_lowers_replicas_only_when_drained():
     assert f.marked == ["llm-decode-x-b"] and f.applies == ["llm"]
     assert obj["status"]["autoscaling"]["decode"]["desiredReplicas"] == 1
     assert f.events == ["DrainingPod", "ScaledDown"]
+
+
+def test_an_unchanged_decision_writes_no_status():
+    obj = cr(up=300)
+    f = Fakes(obj, kv=0.5)
+    runner = AutoscaleRunner(f, f.io())
+    runner.tick(obj, now=1000.0)
+    writes = len(f.patches)
+    runner.tick(obj, now=1015.0)
+    assert len(f.patches) == writes

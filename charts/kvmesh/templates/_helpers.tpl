@@ -55,8 +55,13 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [services, configmaps]
   verbs: [get, list, watch, create, patch]
-# kopf reports handler failures as Events on the object.
+# kopf reports handler failures, and the autoscaler its scaling, as Events on the object.
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# The autoscaler lists a pool's pods (to scrape and drain them) and marks the
+# drained victim with controller.kubernetes.io/pod-deletion-cost. No create, no delete.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, patch]
 {{- end -}}

@@ -1,0 +1,30 @@
+"""The operator's calls to an engine's drain endpoint (POST/GET /admin/drain)."""
+
+from __future__ import annotations
+
+import httpx
+
+TIMEOUT_S = 5.0
+
+
+class DrainRequestError(RuntimeError):
+    """An engine refused or did not answer a drain request; the message names it."""
+
+
+def start_drain(endpoint: str) -> None:
+    url = f"http://{endpoint}/admin/drain"
+    try:
+        r = httpx.post(url, timeout=TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        raise DrainRequestError(f"POST {url}: {exc}") from exc
+    if r.status_code not in (200, 202):
+        raise DrainRequestError(f"POST {url}: HTTP {r.status_code}: {r.text[:200]}")
+
+
+def in_flight(endpoint: str) -> int | None:
+    """API requests still running on the engine; None when it does not answer (gone)."""
+    try:
+        r = httpx.get(f"http://{endpoint}/admin/drain", timeout=TIMEOUT_S)
+        return int(r.json()["in_flight"]) if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
