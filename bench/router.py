@@ -17,6 +17,10 @@ router's added latency at low load (tiny non-streaming requests, alternately dir
 engine and through the router).
 
   .venv/bin/python bench/router.py --json bench/results/router.json
+
+`--guidellm PATH` also cross-checks one rate through the cache-aware router with GuideLLM (a
+load generator we did not write, in its own virtual environment): the same single-turn
+synthetic workload sent by bench/serving.py's client and by GuideLLM, one after the other.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from kvmesh.up import Supervisor, UpOptions, plan
 
 # Run as a script, bench/ is on sys.path.
 from chat_client import RequestResult, send_chat  # noqa: E402
-from serving import load_tokenizer, make_prompt, percentile  # noqa: E402
+from loadtool import crosscheck_table, run_guidellm, tokenizer_dir  # noqa: E402
+from serving import load_tokenizer, make_prompt, percentile, run_rate  # noqa: E402
 
 POLICIES = ("cache-aware", "session", "least-load", "round-robin")
 
@@ -169,6 +174,17 @@ def _row(r: SystemResult, single: SystemResult | None) -> str:
             f"{r.output_tok_s:.1f} | {r.fleet_hit_rate:.1%}{rel} | {r.requests - r.failed}/{r.requests} |")
 
 
+def _crosscheck(args: argparse.Namespace, tokenizer, url: str, model: str) -> dict:
+    """Our open-loop client, then GuideLLM, at one rate through the router (same workload shape)."""
+    rng = random.Random(args.seed + 1)
+    prompts = [make_prompt(tokenizer, rng, args.crosscheck_prompt_tokens) for _ in range(args.crosscheck_requests)]
+    ours = asyncio.run(run_rate(url, model, prompts, args.crosscheck_rate, args.max_tokens, args.seed))
+    theirs = run_guidellm(args.guidellm, url, model, tokenizer_dir(tokenizer), args.crosscheck_rate,
+                          args.crosscheck_requests, args.crosscheck_prompt_tokens, args.max_tokens, args.seed)
+    return {"ours": asdict(ours), "guidellm": theirs,
+            "table": crosscheck_table(args.crosscheck_rate, ours, theirs["summary"])}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -190,6 +206,10 @@ def main() -> int:
     ap.add_argument("--base-port", type=int, default=18000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--guidellm", default=None, metavar="PATH", help="GuideLLM executable for the cross-check")
+    ap.add_argument("--crosscheck-rate", type=float, default=0.5)
+    ap.add_argument("--crosscheck-requests", type=int, default=40)
+    ap.add_argument("--crosscheck-prompt-tokens", type=int, default=128)
     args = ap.parse_args()
 
     tokenizer = load_tokenizer(args.model)
@@ -198,6 +218,7 @@ def main() -> int:
     cores = os.cpu_count() or 1
     results: list[SystemResult] = []
     latency: dict = {}
+    crosscheck: dict = {}
     decision: dict = {}
     single: SystemResult | None = None
     log_root = Path(tempfile.mkdtemp(prefix="kvmesh-bench-router-"))
@@ -222,6 +243,8 @@ def main() -> int:
             engine_urls = [s.url for s in specs[:-1]]
             results.append(asyncio.run(replay(specs[-1].url, engine_urls, served, trace, args.max_tokens,
                                               f"router {policy}")))
+            if policy == "cache-aware" and args.guidellm:
+                crosscheck = _crosscheck(args, tokenizer, specs[-1].url, served)
         print(_row(results[-1], single), file=sys.stderr, flush=True)
 
     header = ["| system | TTFT p50/p90/p99 (s) | TPOT p50/p90/p99 (ms) | out tok/s | fleet prefix hit rate | ok |",
@@ -235,12 +258,14 @@ def main() -> int:
         print(f"router added latency (tiny requests, {args.latency_requests} each way): "
               f"p50 {latency['added']['p50'] * 1e3:.2f} ms, p99 {latency['added']['p99'] * 1e3:.2f} ms; "
               f"router decision mean {decision.get('mean_s', float('nan')) * 1e3:.3f} ms")
+    if crosscheck:
+        print(crosscheck["table"])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "machine": {"cpus": cores, "python": platform.python_version()},
             "results": [asdict(r) for r in results], "added_latency_s": latency,
-            "router_decision": decision}, indent=2))
+            "router_decision": decision, "crosscheck": crosscheck}, indent=2, default=str))
     return 0 if all(r.failed == 0 for r in results) else 1
 
 
