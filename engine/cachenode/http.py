@@ -35,6 +35,9 @@ _COUNTERS = {  # StoreStats field -> (metric name without kvmesh_cachenode_ and 
     "hits": ("hit_blocks", "Blocks served by gets"),
     "evictions": ("evictions", "Blocks evicted to make room"),
     "rejected_headers": ("rejected_headers", "Puts or gets rejected for a block header mismatch"),
+    # Bytes as well as blocks: block sizes differ across models, and bytes are what load the network.
+    "put_bytes": ("received_bytes", "Bytes of blocks stored by puts"),
+    "hit_bytes": ("sent_bytes", "Bytes of blocks served by gets"),
 }
 
 

@@ -61,6 +61,10 @@ class StoreStats:
     """Blocks served by gets."""
     evictions: int = 0
     rejected_headers: int = 0
+    put_bytes: int = 0
+    """Bytes received by puts (stored blocks' buffers)."""
+    hit_bytes: int = 0
+    """Bytes served by gets."""
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -135,6 +139,7 @@ class BlockStore:
             self._blocks[header.block_hash] = StoredBlock(header, data)
             self._used += data.nbytes
             self.stats.puts += 1
+            self.stats.put_bytes += data.nbytes
             self._emit(BlockStored([header.block_hash], header.parent_hash, [], layout.block_size, TIER_REMOTE))
             return STORED
 
@@ -183,6 +188,7 @@ class BlockStore:
                 self._blocks.move_to_end(blk.header.block_hash)
             self.stats.gets += len(hashes)
             self.stats.hits += len(out)
+            self.stats.hit_bytes += sum(blk.data.nbytes for blk in out)
             return out
 
     def __contains__(self, block_hash: object) -> bool:

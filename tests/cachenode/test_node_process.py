@@ -152,7 +152,9 @@ def test_node_serves_blocks_http_and_events(loop):
         for name in ("kvmesh_cachenode_capacity_bytes 6.7108864e+07", "kvmesh_cachenode_blocks 8.0",
                      f"kvmesh_cachenode_used_bytes {8 * lay.nbytes}", "kvmesh_cachenode_puts_total 8.0",
                      "kvmesh_cachenode_hit_blocks_total 8.0", "kvmesh_cachenode_rejected_headers_total 1.0",
-                     "kvmesh_cachenode_evictions_total 0.0"):
+                     "kvmesh_cachenode_evictions_total 0.0",
+                     f"kvmesh_cachenode_received_bytes_total {8 * lay.nbytes}",
+                     f"kvmesh_cachenode_sent_bytes_total {8 * lay.nbytes}"):
             assert name in text, name
         info = json.loads(node.http("/kv/info")[1])
         assert info["ucx_port"] == node.ucx_port and info["tiers"] == ["remote"]

@@ -35,6 +35,8 @@ def test_put_lookup_get_longest_prefix():
     assert s.lookup([]) == 0
     assert [b.header for b in s.get(LAY, hashes)] == [b.header for b in blks[:3]]
     s.check_integrity()
+    # Bytes in and out: every stored block once, every served block once.
+    assert (s.stats.put_bytes, s.stats.hit_bytes) == (4 * BLK, 3 * BLK)
 
 
 def test_lru_order_and_eviction_never_exceeds_budget():
