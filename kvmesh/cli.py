@@ -14,6 +14,7 @@ _SUBCOMMANDS = (
     ("kvmesh.engine.generate_cli", "add_generate_subcommand"),
     ("kvmesh.engine.cachenode.cli", "add_cache_node_subcommand"),
     ("kvmesh.operator.cli", "add_operator_subcommand"),
+    ("kvmesh.operator.dashboard_cli", "add_dashboard_subcommand"),
     ("kvmesh.up", "add_up_subcommand"),
 )
 

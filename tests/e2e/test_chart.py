@@ -65,16 +65,21 @@ def test_template_defaults(cluster, helm_home):
 def test_template_options(cluster, helm_home):
     objs = docs(cluster.helm(
         "template", RELEASE, str(CHART), "-n", RELEASE_NS,
-        "--set", "serviceMonitor.enabled=true", "--set", "grafanaDashboards.enabled=true",
+        "--set", "podMonitor.enabled=true", "--set", "grafanaDashboards.enabled=true",
         "--set", "operator.watchNamespaces={team-a,team-b}",
         "--set", "operator.leaderElection.enabled=false", home=helm_home).stdout)
     names = kinds(objs)
-    assert ("ServiceMonitor", "kvmesh-pools") in names
+    assert [n for k, n in names if k == "PodMonitor"] == ["kvmesh-cache", "kvmesh-engines", "kvmesh-router"]
+    engines = next(o for o in objs if o["kind"] == "PodMonitor" and o["metadata"]["name"] == "kvmesh-engines")
+    assert engines["spec"]["selector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
+    assert {r["targetLabel"] for r in engines["spec"]["podMetricsEndpoints"][0]["relabelings"]} == {
+        "inference_deployment", "component"}
     assert not any(k in ("ClusterRole", "ClusterRoleBinding") for k, _ in names)
     assert sorted(o["metadata"]["namespace"] for o in objs if o["kind"] == "Role") == [
         "team-a", "team-b"]
     cm = next(o for o in objs if o["kind"] == "ConfigMap")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert sorted(cm["data"]) == sorted(p.name for p in (ROOT / "dashboards").glob("*.json"))
     for name, text in cm["data"].items():
         assert json.loads(text)["title"], name
         assert text == (ROOT / "dashboards" / name).read_text().rstrip("\n")
