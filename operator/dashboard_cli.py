@@ -18,17 +18,25 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _snapshot(args: argparse.Namespace) -> int:
-    from .dashboard_snapshot import PrometheusQueryError, render
+    from .dashboard_snapshot import PrometheusQueryError, SnapshotUnavailable, render
 
     values = dashboards.default_values(args.namespace, args.deployment, args.rate_interval)
+    choices = {v.name: v.options for v in dashboards.VARIABLES if v.options}
     for name in ("percentile", "ttft_slo", "tpot_slo"):
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
+        value = getattr(args, name)
+        if value is None:
+            continue
+        # le="0.30" matches no bucket (the exposition writes 0.3): refuse rather than draw nothing.
+        if name != "percentile" and value not in choices[name]:
+            print(f"kvmesh dashboard snapshot: --{name.replace('_', '-')} {value} is not a bucket bound; "
+                  f"choose one of {', '.join(choices[name])}", file=sys.stderr)
+            return 2
+        values[name] = value
     end = time.time() if args.end is None else args.end
     start = end - args.minutes * 60 if args.start is None else args.start
     try:
         paths = render(args.prometheus, values, start, end, Path(args.out), step_s=args.step)
-    except PrometheusQueryError as exc:
+    except (PrometheusQueryError, SnapshotUnavailable) as exc:
         print(f"kvmesh dashboard snapshot: {exc}", file=sys.stderr)
         return 1
     for path in paths:

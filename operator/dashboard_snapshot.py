@@ -22,6 +22,10 @@ class PrometheusQueryError(RuntimeError):
     """Prometheus did not answer a query, or refused it; the message names the query."""
 
 
+class SnapshotUnavailable(RuntimeError):
+    """matplotlib is not installed."""
+
+
 @dataclass(frozen=True)
 class Series:
     labels: dict[str, str]
@@ -105,8 +109,10 @@ def _draw(ax, panel: Panel, lines: Sequence[tuple[str, bool, Series]], start: fl
 def render(url: str, values: Mapping[str, str], start: float, end: float, out: Path,
            step_s: float = 5.0, columns: int = 2) -> list[Path]:
     """One PNG per SLO panel plus `overview.png` with all of them; returns the paths written."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise SnapshotUnavailable("drawing needs matplotlib: pip install 'kvmesh[snapshot]'") from exc
     matplotlib.use("Agg")  # no display in a pod or CI
     import matplotlib.pyplot as plt
 

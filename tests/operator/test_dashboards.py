@@ -100,3 +100,15 @@ def test_chart_relabeling_produces_the_dashboard_labels():
     rules = {r["targetLabel"]: r["sourceLabels"] for r in _podmonitor_relabelings()}
     assert rules[d.DEPLOYMENT_LABEL] == [meta(OWNER_LABEL)]
     assert rules[d.COMPONENT_LABEL] == [meta("app.kubernetes.io/component")]
+
+
+def test_snapshot_refuses_an_slo_that_is_no_bucket_bound(tmp_path, capsys):
+    rc = main(["dashboard", "snapshot", "--prometheus", "http://127.0.0.1:9", "--out", str(tmp_path),
+               "--namespace", "ns", "--deployment", "llm", "--ttft-slo", "0.30"])
+    assert rc == 2 and "not a bucket bound" in capsys.readouterr().err
+
+
+def test_snapshot_names_an_unreachable_prometheus(tmp_path, capsys):
+    rc = main(["dashboard", "snapshot", "--prometheus", "http://127.0.0.1:9", "--out", str(tmp_path),
+               "--namespace", "ns", "--deployment", "llm"])
+    assert rc == 1 and "127.0.0.1:9/api/v1/query_range" in capsys.readouterr().err
