@@ -36,6 +36,11 @@ class EngineConfig:
     order samples the same tokens (a request's own seed always wins).
     enable_chunked_prefill=False: a prompt must fit in max_num_batched_tokens
     (longer ones are rejected at add_request).
+    cpu_kv_bytes: size of the host KV tier (blocks evicted from the KV pool are kept
+    there and loaded back on a prefix hit); 0 turns it off. cache_node: HOST:PORT of a
+    cache node's HTTP port (or a headless Service in front of cache nodes): write-through
+    of computed blocks and reload on admission; cache_node_timeout bounds each transfer
+    (past it the blocks are recomputed).
     """
 
     model: str = "default"
@@ -56,6 +61,9 @@ class EngineConfig:
     cache_salt: str = ""
     num_threads: int | None = None
     seed: int = 0
+    cpu_kv_bytes: int = 0
+    cache_node: str | None = None
+    cache_node_timeout: float = 5.0
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -85,5 +93,11 @@ class EngineConfig:
             raise ConfigError("num_kv_blocks must be >= 1")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.cpu_kv_bytes, int) or self.cpu_kv_bytes < 0:
+            raise ConfigError(f"cpu_kv_bytes must be a byte count >= 0, got {self.cpu_kv_bytes!r}")
+        if (self.cpu_kv_bytes or self.cache_node) and not self.enable_prefix_caching:
+            raise ConfigError("a host KV tier or a cache node needs prefix caching; enable it")
+        if self.cache_node_timeout <= 0:
+            raise ConfigError(f"cache_node_timeout must be > 0 seconds, got {self.cache_node_timeout}")
         parse_dtype(self.dtype)
         return self

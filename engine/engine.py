@@ -22,8 +22,9 @@ import torch
 
 from kvmesh.engine.config import ConfigError, EngineConfig
 from kvmesh.engine.kv.block_hash import extra_key
-from kvmesh.engine.kv.events import KVEventLog
+from kvmesh.engine.kv.events import KVEvent, KVEventLog
 from kvmesh.engine.kv.kv_manager import KVCacheManager
+from kvmesh.engine.kv.tiers import KVTiers, TierSnapshot
 from kvmesh.engine.model.attention import AttentionBackend
 from kvmesh.engine.model.llama import LlamaModel
 from kvmesh.engine.model.loader import LoadedModel, load_model
@@ -95,6 +96,10 @@ class EngineStats:
     # Prompt tokens admitted but not yet computed (waiting and partly prefilled
     # requests): the prefill backlog the autoscaler sizes prefill pools on.
     queued_prefill_tokens: int = 0
+    # The primary pool's geometry and evictions, and the tiers below it (host, cache node).
+    kv_block_bytes: int = 0
+    kv_evictions: int = 0
+    tiers: tuple[TierSnapshot, ...] = ()
 
 
 def _pick_backend(cfg: EngineConfig, device: torch.device) -> str:
@@ -156,14 +161,21 @@ class LLMEngine:
             sizes = tuple(b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs)
             self.runner.capture_cuda_graphs(sizes, model_len)
         self.events = KVEventLog(self.engine_id)
+        self.tiers: KVTiers | None = None
+        self._kv_evictions = 0
         self.kv = KVCacheManager(
             num_blocks, cfg.block_size, cfg.enable_prefix_caching,
             extra_key(self.model_id, str(self.dtype).removeprefix("torch."),
                       cache_salt=cfg.cache_salt or None),
-            on_event=self.events.publish,
+            on_event=self._on_kv_event, on_evict=self._on_evict,
         )
+        self._cache_node = None
+        if cfg.cpu_kv_bytes or cfg.cache_node:
+            from kvmesh.engine.kv.tier_setup import build_tiers
+
+            self.tiers, self._cache_node = build_tiers(cfg, self.kv, self.runner.kv_cache, self.events.publish)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.enable_chunked_prefill)
+                                   cfg.enable_chunked_prefill, tiers=self.tiers)
         self.num_kv_blocks = num_blocks
         self._requests: dict[str, Request] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -173,6 +185,27 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._num_steps = 0
+
+    def _on_kv_event(self, event: KVEvent) -> None:
+        self.events.publish(event)
+        if self.tiers is not None:
+            self.tiers.on_primary_event(event)
+
+    def _on_evict(self, blocks: list) -> None:
+        self._kv_evictions += len(blocks)
+        if self.tiers is not None:
+            self.tiers.on_evict(blocks)
+
+    @property
+    def waiting_on_transfers(self) -> bool:
+        """True while some request waits for a cache-node fetch (a step may then schedule nothing)."""
+        return self.scheduler.num_deferred > 0
+
+    def close(self) -> None:
+        """Release the cache-node connections (if any). Idempotent."""
+        if self._cache_node is not None:
+            self._cache_node.close()
+            self._cache_node = None
 
     # ---- thread-safe entry points -------------------------------------------
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
@@ -281,6 +314,8 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         self._drain_commands(outputs)
         sched = self.scheduler.schedule()
+        if self.tiers is not None:
+            self.tiers.flush()  # lower-tier saves and loads land before the forward pass
         if sched.is_empty:
             return outputs
         self._num_steps += 1
@@ -293,7 +328,9 @@ class LLMEngine:
             result = self.runner.execute(sched, block_ids)
         except Exception as exc:  # noqa: BLE001 - which request caused it is unknown: fail the batch
             return outputs + self._fail([s.request for s in sched.seqs], exc)
-        self.scheduler.update_after_step(sched)
+        full = self.scheduler.update_after_step(sched)
+        if self.tiers is not None:
+            self.tiers.after_step(full)
         if result is not None:
             now = time.monotonic()
             producing = [s.request for s in sched.seqs if s.produces_token]
@@ -314,8 +351,14 @@ class LLMEngine:
                     self._forget(req, now)
                 outputs.append(out)
         if self.debug_checks:
-            self.kv.check_integrity()
+            self.check_integrity()
         return outputs
+
+    def check_integrity(self) -> None:
+        """KV manager and lower-tier invariants (O(blocks); tests and debug runs)."""
+        self.kv.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
 
     @property
     def num_steps(self) -> int:
@@ -337,4 +380,7 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             num_steps=self._num_steps,
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
+            kv_block_bytes=self.config.block_size * self.model_config.kv_bytes_per_token(self.dtype.itemsize),
+            kv_evictions=self._kv_evictions,
+            tiers=tuple(self.tiers.snapshots()) if self.tiers is not None else (),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,6 +99,10 @@ class LLM:
             # Consecutive steps that neither run a forward nor report anything mean no
             # pending request can ever be scheduled; waiting longer would spin forever.
             idle = idle + 1 if not outs and self.engine.num_steps == before else 0
+            if idle and getattr(self.engine, "waiting_on_transfers", False):
+                # A request waits for its KV from a cache node (bounded by the transfer timeout).
+                idle = 0
+                time.sleep(0.001)
             if idle > _MAX_IDLE_STEPS:
                 pending = [rid for rid in prompt_ids if rid not in results]
                 raise EngineStalledError(

@@ -11,6 +11,12 @@ admitted in a step that preempted.
 With chunked prefill off, a new request is admitted only when its whole prompt
 fits in the step's remaining budget (the engine rejects prompts longer than the
 budget, so the head of the queue always fits once the running requests finish).
+
+With lower KV tiers (``kv.tiers.KVTiers``), an admission also loads the chain's blocks
+found in the host tier or on a cache node into freshly allocated blocks. A request
+whose cache-node fetch is in flight is set aside (still waiting, out of the queue)
+and rejoins the queue, in its old place, once the fetch is done; the step never
+waits on the network.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from kvmesh.engine.kv.kv_manager import KVCacheManager
+from kvmesh.engine.kv.kv_manager import CachedSegment, KVCacheManager
+from kvmesh.engine.kv.tiers import KVTiers
 from kvmesh.engine.request import Request, RequestStatus
 
 
@@ -55,8 +62,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        tiers: KVTiers | None = None,
     ) -> None:
         self.kv = kv
+        self.tiers = tiers
+        self._deferred: list[Request] = []  # waiting on a cache-node fetch, out of the heap
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -78,7 +88,7 @@ class Scheduler:
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens not yet computed, over waiting and partly prefilled running requests."""
         n = 0
-        for _, _, req in self._waiting:
+        for req in [r for _, _, r in self._waiting] + self._deferred:
             if req.status is RequestStatus.WAITING:
                 n += max(0, req.num_prompt_tokens - req.num_computed_tokens)
         for req in self.running:
@@ -104,11 +114,30 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.kv.free(req.request_id)
+        if self.tiers is not None:
+            self.tiers.forget(req.request_id)
 
     def _peek_waiting(self) -> Request | None:
         while self._waiting and self._waiting[0][2].status is not RequestStatus.WAITING:
             heapq.heappop(self._waiting)
         return self._waiting[0][2] if self._waiting else None
+
+    @property
+    def num_deferred(self) -> int:
+        """Waiting requests whose cache-node fetch is in flight."""
+        return len(self._deferred)
+
+    def _requeue_deferred(self) -> None:
+        """Put set-aside requests whose fetch finished back into the queue (finished ones go)."""
+        keep = []
+        for req in self._deferred:
+            if req.status is not RequestStatus.WAITING:
+                continue
+            if self.tiers is not None and self.tiers.is_deferred(req.request_id):
+                keep.append(req)
+            else:
+                heapq.heappush(self._waiting, (*req.sort_key(), req))
+        self._deferred = keep
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
@@ -122,6 +151,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
+        if self._deferred:
+            self._requeue_deferred()
         self.running.sort(key=Request.sort_key)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -149,28 +180,45 @@ class Scheduler:
                 if req is None:
                     break
                 computed_blocks, num_computed = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
-                num_new = req.num_tokens - num_computed
+                hits = None
+                if self.tiers is not None and self.kv.enable_caching:
+                    hits = self.tiers.lookup(req.request_id, req.num_tokens, len(computed_blocks))
+                    if hits is None:  # a cache-node fetch is in flight: let the others run
+                        heapq.heappop(self._waiting)
+                        self._deferred.append(req)
+                        continue
+                num_loaded = hits.num_tokens if hits is not None else 0
+                num_new = req.num_tokens - num_computed - num_loaded
                 # A preempted request is recomputed in chunks even with chunked prefill off: its
                 # prompt plus generated tokens may exceed the budget, and the engine only
                 # guarantees that the prompt alone fits in one step.
                 if num_new > budget and not self.enable_chunked_prefill and not req.output_token_ids:
+                    if self.tiers is not None:
+                        self.tiers.cancel(hits)
                     break
                 num_new = min(num_new, budget)
                 blocks = self.kv.allocate_slots(
-                    req.request_id, req.all_token_ids, num_new, computed_blocks, num_computed
+                    req.request_id, req.all_token_ids, num_new, computed_blocks, num_computed + num_loaded
                 )
                 if blocks is None:
+                    if self.tiers is not None:
+                        self.tiers.cancel(hits)
                     break
+                if self.tiers is not None and hits is not None:
+                    self.tiers.commit(req.request_id, hits, blocks, len(computed_blocks), req.num_tokens)
+                    if num_loaded:  # loaded blocks join the primary prefix index now (promotion)
+                        self.kv.cache_blocks(req.request_id, req.all_token_ids, num_computed + num_loaded)
                 heapq.heappop(self._waiting)
                 self._num_waiting -= 1
                 req.status = RequestStatus.RUNNING
-                req.num_computed_tokens = num_computed
+                req.num_computed_tokens = num_computed + num_loaded
                 first_admission = req.num_cached_tokens < 0
                 if first_admission:
-                    req.num_cached_tokens = min(num_computed, req.num_prompt_tokens)
+                    req.num_cached_tokens = min(num_computed + num_loaded, req.num_prompt_tokens)
+                # The primary tier's own counters: hits there only (lower tiers count their own).
                 self.kv.record_prefix_lookup(req.num_tokens, num_computed, preempted=not first_admission)
                 self.running.append(req)
-                scheduled.append(ScheduledSeq(req, num_new, num_computed))
+                scheduled.append(ScheduledSeq(req, num_new, num_computed + num_loaded))
                 budget -= num_new
 
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
@@ -180,12 +228,17 @@ class Scheduler:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
+    def update_after_step(self, out: SchedulerOutput) -> list[CachedSegment]:
         """Advance computed-token counts and publish newly full blocks to the prefix cache.
 
-        Call after the forward pass and before appending sampled tokens.
+        Call after the forward pass and before appending sampled tokens. Returns the blocks
+        this step's forward made full (for a write-through to a cache node).
         """
+        segments: list[CachedSegment] = []
         for s in out.seqs:
             req = s.request
             req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
-            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            seg = self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if seg is not None:
+                segments.append(seg)
+        return segments

@@ -13,6 +13,10 @@ Invariants (``check_integrity`` verifies them all):
 * A block keeps its hash while it is free. A prefix hit on a free block (``touch``) takes it
   out of the free queue and leaves hash and ``cached`` entry alone. The hash is dropped only
   when ``allocate`` reuses the block for new content, or by ``reset_prefix_cache``.
+* ``parent_hash`` is set exactly while ``block_hash`` is (None for a chain's first block).
+* ``on_evict``, when given, sees every block ``allocate`` evicts, with its id, hash and parent
+  still readable and its content not yet overwritten (the caller copies it to a lower tier
+  before the step's forward pass writes the block), after the ``BlockRemoved`` event.
 
 Every public operation costs O(blocks it is given or returns); nothing scans the pool except
 ``check_integrity`` (debug only).
@@ -20,7 +24,7 @@ Every public operation costs O(blocks it is given or returns); nothing scans the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .block_hash import BlockHash
@@ -42,6 +46,8 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    # Hash of the block before this one in its chain (None at the root), kept with block_hash.
+    parent_hash: BlockHash | None = None
     # Free-queue links; both None exactly when the block is not in the free queue.
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
@@ -111,6 +117,10 @@ class FreeBlockQueue:
             limit -= 1
 
 
+EvictHandler = Callable[[list[KVBlock]], None]
+"""Called with the blocks one ``allocate`` evicts (hash and parent still set, content intact)."""
+
+
 class BlockPool:
     """The blocks of one KV tier with an LRU free queue and a content-hash map.
 
@@ -120,7 +130,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
                  on_event: KVEventHandler | None = None, tier: str = TIER_GPU,
-                 block_size: int | None = None) -> None:
+                 block_size: int | None = None, on_evict: EvictHandler | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least 1 block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -128,6 +138,7 @@ class BlockPool:
         self.on_event = on_event
         self.tier = check_tier(tier)
         self.block_size = block_size
+        self.on_evict = on_evict
         self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
@@ -174,18 +185,21 @@ class BlockPool:
             raise NoFreeBlocksError(
                 f"requested {n} KV blocks but only {self.free_queue.size} of {self.num_blocks} are free")
         out: list[KVBlock] = []
-        evicted: list[BlockHash] = []
+        evicted: list[KVBlock] = []
         for _ in range(n):
             b = self.free_queue.popleft()
             if b.block_hash is not None:
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
-                evicted.append(b.block_hash)
-                b.block_hash = None
+                evicted.append(b)
             b.ref_cnt = 1
             out.append(b)
         if evicted:
-            self._emit(BlockRemoved(evicted, self.tier))
+            self._emit(BlockRemoved([b.block_hash for b in evicted], self.tier))
+            if self.on_evict is not None:
+                self.on_evict(evicted)
+            for b in evicted:
+                b.block_hash = b.parent_hash = None
         return out
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -246,10 +260,13 @@ class BlockPool:
                     f"block {b.block_id} already holds hash {b.block_hash.hex()[:16]}, cannot re-cache it "
                     f"as {h.hex()[:16]}; cached blocks are immutable")
         new = False
+        parent = parent_hash
         for b, h in zip(blocks, block_hashes):
+            prev, parent = parent, h
             if b.block_hash is not None or h in self.cached:
                 continue  # already this block's hash, or a duplicate of another block's content
             b.block_hash = h
+            b.parent_hash = prev
             self.cached[h] = b
             new = True
         if new:
@@ -261,7 +278,7 @@ class BlockPool:
         if self.free_queue.size != self.num_blocks:
             return False
         for b in self.cached.values():
-            b.block_hash = None
+            b.block_hash = b.parent_hash = None
         self.cached.clear()
         self._emit(AllBlocksCleared(self.tier))
         return True

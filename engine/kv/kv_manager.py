@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from .block_hash import ROOT_HASH, BlockHash, hash_block
-from .block_pool import BlockPool, KVBlock, KVIntegrityError
+from .block_pool import BlockPool, EvictHandler, KVBlock, KVIntegrityError
 from .events import TIER_GPU, KVEventHandler
 
 
@@ -45,6 +45,16 @@ class PrefixCacheStats:
 
 
 @dataclass
+class CachedSegment:
+    """Consecutive blocks of one request that ``cache_blocks`` just registered (now full and
+    immutable): ``block_ids[i]`` holds ``block_hashes[i]``; ``parent_hash`` precedes the first."""
+
+    block_ids: list[int]
+    block_hashes: list[BlockHash]
+    parent_hash: BlockHash | None
+
+
+@dataclass
 class RequestKV:
     """KV state of one request.
 
@@ -62,13 +72,15 @@ class KVCacheManager:
     """Maps request ids to block tables in one BlockPool; costs O(blocks touched) per call."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, extra: bytes,
-                 on_event: KVEventHandler | None = None, tier: str = TIER_GPU) -> None:
+                 on_event: KVEventHandler | None = None, tier: str = TIER_GPU,
+                 on_evict: EvictHandler | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.extra = extra
-        self.pool = BlockPool(num_blocks, enable_caching, on_event, tier=tier, block_size=block_size)
+        self.pool = BlockPool(num_blocks, enable_caching, on_event, tier=tier, block_size=block_size,
+                              on_evict=on_evict)
         self.requests: dict[str, RequestKV] = {}
         self._stats = PrefixCacheStats()
 
@@ -170,25 +182,28 @@ class KVCacheManager:
         state.blocks.extend(new)
         return new
 
-    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int],
+                     num_computed_tokens: int) -> CachedSegment | None:
         """Register the request's blocks that became full once ``num_computed_tokens`` tokens
         have KV (``token_ids``: prompt + outputs so far). Hashing continues from the request's
-        last known hash, so a decoding request pays only at block boundaries."""
+        last known hash, so a decoding request pays only at block boundaries. Returns the blocks
+        that became full here (None if none), e.g. for a write-through to a lower tier."""
         if not self.enable_caching:
-            return
+            return None
         state = self.requests.get(request_id)
         if state is None:
             raise KeyError(f"cache_blocks: unknown request {request_id!r} (allocate_slots first)")
         num_full = min(num_computed_tokens // self.block_size, len(state.blocks))
         start = state.num_cached_blocks
         if num_full <= start:
-            return
+            return None
         self._ensure_hashes(state, token_ids, num_full)
         bs = self.block_size
         parent = state.block_hashes[start - 1] if start else None
-        self.pool.cache_full_blocks(state.blocks[start:num_full], state.block_hashes[start:num_full],
-                                    parent, token_ids[start * bs:num_full * bs])
+        blocks, hashes = state.blocks[start:num_full], state.block_hashes[start:num_full]
+        self.pool.cache_full_blocks(blocks, hashes, parent, token_ids[start * bs:num_full * bs])
         state.num_cached_blocks = num_full
+        return CachedSegment([b.block_id for b in blocks], list(hashes), parent)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (last block first) and forget it. Unknown ids are ignored.
@@ -202,6 +217,11 @@ class KVCacheManager:
         """The request's block table (empty for a request holding no blocks)."""
         state = self.requests.get(request_id)
         return [b.block_id for b in state.blocks] if state is not None else []
+
+    def chain(self, request_id: str) -> list[BlockHash]:
+        """The request's chain hashes computed so far (the live list: read, never modify)."""
+        state = self.requests.get(request_id)
+        return state.block_hashes if state is not None else []
 
     def block_hashes(self, request_id: str) -> list[BlockHash]:
         """The request's chain hashes computed so far (a copy)."""

@@ -86,6 +86,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one engine step (default: %(default)s)")
     k.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    k.add_argument("--cpu-kv-bytes", type=parse_size, default=0, metavar="SIZE",
+                   help="host KV tier, e.g. 8GiB: blocks evicted from the KV pool are kept in host memory "
+                        "and loaded back on a prefix hit (default: off)")
+    k.add_argument("--cache-node", default=None, metavar="HOST:PORT",
+                   help="a cache node's HTTP address (or a headless Service of cache nodes): computed blocks "
+                        "are written through to it and reloaded from it instead of recomputed")
+    k.add_argument("--cache-node-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="bound on one cache-node transfer; past it the blocks are recomputed (default: %(default)s)")
     k.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
 
     s = p.add_argument_group("server")
@@ -99,7 +107,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may run before they are aborted")
     s.add_argument("--cache-service", default=None, metavar="HOST:PORT",
-                   help="KV cache node service (accepted for the operator's pods; cache nodes come later)")
+                   help="the same as --cache-node (the name the operator renders: the cache nodes' headless "
+                        "Service and HTTP port)")
     s.add_argument("--kv-events-port", type=_kv_events_port, default=0, metavar="PORT",
                    help="publish KV cache events (ZeroMQ PUB, vLLM's layout) on PORT and answer replay "
                         "requests on PORT+1; 0 turns them off (default: %(default)s; the operator uses 5557)")
@@ -159,6 +168,22 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, list[str]]:
     return path, names or ([args.model] if args.model != "default" else [])
 
 
+def _cache_node(args: argparse.Namespace) -> str | None:
+    """--cache-node, or the operator's --cache-service (they name the same thing)."""
+    node, service = args.cache_node, args.cache_service
+    if node and service and node != service:
+        raise ServeArgsError(f"--cache-node {node} and --cache-service {service} disagree; give one")
+    address = node or service
+    if address:
+        from kvmesh.engine.kv.node_link import CacheNodeAddressError, parse_host_port
+
+        try:
+            parse_host_port(address)
+        except CacheNodeAddressError as e:
+            raise ServeArgsError(str(e)) from None
+    return address
+
+
 def settings_from_args(args: argparse.Namespace):  # -> ServeSettings (imported lazily)
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.server.runtime import ServeSettings
@@ -171,6 +196,8 @@ def settings_from_args(args: argparse.Namespace):  # -> ServeSettings (imported 
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
         attention_backend=args.attention_backend, num_threads=args.num_threads, seed=args.seed,
+        cpu_kv_bytes=args.cpu_kv_bytes, cache_node=_cache_node(args),
+        cache_node_timeout=args.cache_node_timeout,
     )
     return ServeSettings(
         engine=engine, host=args.host, port=args.port, served_model_names=served_names,
@@ -192,9 +219,6 @@ def handler(args: argparse.Namespace) -> int:
     except ServeArgsError as e:
         print(f"kvmesh serve: {e}", file=sys.stderr)
         return 2
-    if args.cache_service:
-        logging.getLogger(__name__).info("cache service %s noted; this engine does not use cache nodes yet",
-                                         args.cache_service)
     try:
         settings.engine.validate()
         settings.engine.resolved_device()

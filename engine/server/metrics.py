@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvmesh.engine.outputs import RequestOutput
 
@@ -39,6 +39,18 @@ from kvmesh.engine.server.metrics_util import (
 )
 
 TIER_GPU = "gpu"  # device memory, whatever the device (the KV tier names are shared across roles)
+_TIER_FAMILIES = {  # kvmesh_kv_tier_<name>: (kind, help)
+    "capacity_blocks": ("gauge", "KV blocks the tier can hold (remote: 0, see the cache node's metrics)."),
+    "used_blocks": ("gauge", "KV blocks the tier holds (gpu: in use by requests)."),
+    "capacity_bytes": ("gauge", "KV bytes the tier can hold."),
+    "used_bytes": ("gauge", "KV bytes the tier holds (gpu: in use by requests)."),
+    "evictions": ("counter", "Cached blocks dropped from the tier to make room (gpu: moved to the host tier "
+                             "when there is one)."),
+    "promotions": ("counter", "Blocks loaded from the tier into the primary pool's prefix index."),
+    "stored": ("counter", "Blocks written into the tier."),
+    "dropped_saves": ("counter", "Blocks not saved into the tier (no room, busy or unreachable node)."),
+    "failures": ("counter", "Tier transfers that failed (timeout, dead node, header mismatch): recomputed."),
+}
 
 
 class ServerMetrics:
@@ -126,6 +138,33 @@ class ServerMetrics:
         self._errors.labels(self.model_name, code).inc()
 
     # ---- scrape-time families ---------------------------------------------------
+    def _tier_families(self, s: "EngineStats") -> Iterator[Metric]:
+        """kvmesh_kv_tier_* per KV tier: the primary pool (gpu) and the tiers below it (cpu, remote).
+
+        The remote tier's capacity lives on the cache node (its kvmesh_cachenode_* metrics), so the
+        engine reports 0 there. Queries and hits of lower tiers are rows of
+        kvmesh_prefix_cache_{queries,hits}_total (see _engine_families).
+        """
+        block_bytes = getattr(s, "kv_block_bytes", 0)
+        used = s.num_kv_blocks - s.num_free_blocks
+        rows = {TIER_GPU: {"capacity_blocks": s.num_kv_blocks, "used_blocks": used,
+                           "capacity_bytes": s.num_kv_blocks * block_bytes, "used_bytes": used * block_bytes,
+                           "evictions": getattr(s, "kv_evictions", 0)}}
+        for t in getattr(s, "tiers", ()):
+            st = t.stats
+            rows[t.tier] = {"capacity_blocks": t.capacity_blocks, "used_blocks": t.used_blocks,
+                            "capacity_bytes": t.capacity_blocks * t.block_bytes,
+                            "used_bytes": t.used_blocks * t.block_bytes, "evictions": st.evictions,
+                            "promotions": st.promotions, "stored": st.stored, "dropped_saves": st.dropped,
+                            "failures": st.failures}
+        for name, (kind, doc) in _TIER_FAMILIES.items():
+            cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            fam = cls(f"kvmesh_kv_tier_{name}", doc, labels=["model_name", "tier"])
+            for tier, values in rows.items():
+                if name in values:
+                    fam.add_metric([self.model_name, tier], float(values[name]))
+            yield fam
+
     def _engine_families(self) -> Iterator[Metric]:
         model = {"model_name": self.model_name}
         tier = {"model_name": self.model_name, "tier": TIER_GPU}
@@ -146,12 +185,20 @@ class ServerMetrics:
                            "(cached or empty).", s.num_free_blocks, tier)
         yield counter_family("kvmesh_prompt_tokens_total", "Prompt tokens admitted.", s.prompt_tokens, model)
         yield counter_family("kvmesh_generation_tokens_total", "Tokens generated.", s.generation_tokens, model)
-        yield counter_family("kvmesh_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
-                             s.prefix_queries, tier)
-        yield counter_family("kvmesh_prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
-                             s.prefix_hits, tier)
+        lower = getattr(s, "tiers", ())
+        for name, doc, gpu_value, attr in (
+                ("kvmesh_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (per tier: "
+                 "the tokens the tiers above it missed).", s.prefix_queries, "queries"),
+                ("kvmesh_prefix_cache_hits", "Prompt tokens served from the prefix cache (per tier).",
+                 s.prefix_hits, "hits")):
+            fam = CounterMetricFamily(name, doc, labels=["model_name", "tier"])
+            fam.add_metric([self.model_name, TIER_GPU], float(gpu_value))
+            for t in lower:
+                fam.add_metric([self.model_name, t.tier], float(getattr(t.stats, attr)))
+            yield fam
         yield counter_family("kvmesh_preemptions_total", "Sequences preempted (recomputed later) for lack "
                              "of KV blocks.", s.num_preemptions, model)
+        yield from self._tier_families(s)
         # Gateway API Inference Extension model-server protocol (vLLM's names).
         yield gauge_family("vllm:num_requests_waiting", "TotalQueuedRequests: requests waiting to be scheduled.",
                            s.num_waiting, model)

@@ -1,0 +1,196 @@
+"""The remote tier: a cache node reached over the KV block transport (tier ``remote``).
+
+Two jobs, both asynchronous to the engine step:
+
+* write-through: ``save`` gathers the blocks a step made full (one gather from the KV cache)
+  and hands them to ``KVClient.put``; the step never waits. Saves are bounded by
+  ``max_inflight_bytes``; beyond it, or when the client is busy or the node unknown, a save is
+  dropped and counted.
+* fetch: ``start_fetch`` asks the node for the blocks of a chain (one batched ``get``: the node
+  answers the longest prefix it holds, so a separate lookup would only add a round trip). The
+  request stays waiting (set aside by the scheduler) until ``done``; the engine polls futures,
+  never blocks on them. Any failure (no node, connect failure, timeout, peer gone, header
+  mismatch) is a miss: the blocks are recomputed.
+
+Invariants: a fetch's blocks passed ``check_header`` against this engine's layout (model
+identity, dtype, geometry) and are exactly a prefix of the asked hashes; a fetch result is used
+at most once; nothing here raises into the step for a transport failure.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..transfer.buffers import KVBlock as WireBlock
+from ..transfer.buffers import as_bytes
+from ..transfer.errors import HeaderMismatch, TransferError
+from ..transfer.header import BlockHeader, BlockLayout
+from .block_hash import BlockHash
+from .host_tier import TierStats
+
+log = logging.getLogger("kvmesh.engine.remote")
+
+
+class BlockClient(Protocol):
+    """What the tier needs from ``transfer.client.KVClient``."""
+
+    def put(self, blocks: Sequence[WireBlock], timeout: float | None = None) -> concurrent.futures.Future: ...
+
+    def get(self, layout: BlockLayout, hashes: Sequence[bytes],
+            timeout: float | None = None) -> concurrent.futures.Future: ...
+
+
+@dataclass
+class Fetch:
+    """One request's outstanding or finished fetch: blocks for ``hashes`` = chain[start:...]."""
+
+    start: int
+    hashes: list[BlockHash]
+    future: concurrent.futures.Future | None
+    blocks: list[torch.Tensor] | None = None  # set once done: [layers, 2, block_size, heads, dim] each
+
+    @property
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+
+class RemoteTier:
+    """``clients()`` returns (fetch client, save client), or None while the node is unknown."""
+
+    def __init__(self, clients: Callable[[], tuple[BlockClient, BlockClient] | None], layout: BlockLayout,
+                 block_shape: tuple[int, ...], dtype: torch.dtype, *, timeout: float = 5.0,
+                 max_inflight_bytes: int = 256 << 20, on_failure: Callable[[Exception], None] | None = None) -> None:
+        self._clients = clients
+        self.layout = layout
+        self.block_shape = block_shape
+        self.dtype = dtype
+        self.timeout = timeout
+        self.max_inflight_bytes = max_inflight_bytes
+        self._on_failure = on_failure
+        self._fetches: dict[str, Fetch] = {}
+        self._lock = threading.Lock()  # counters touched by transfer-loop callbacks
+        self._inflight_bytes = 0
+        self.stats = TierStats()
+
+    # ---- fetch --------------------------------------------------------------------------------
+    def fetch(self, request_id: str) -> Fetch | None:
+        return self._fetches.get(request_id)
+
+    def start_fetch(self, request_id: str, start: int, hashes: Sequence[BlockHash]) -> Fetch:
+        """Begin fetching ``hashes`` (chain positions ``start...``); never blocks or raises."""
+        clients = self._clients()
+        fut = None
+        if clients is not None and hashes:
+            try:
+                fut = clients[0].get(self.layout, list(hashes), self.timeout)
+            except TransferError as e:  # ClientBusy: treat as a miss
+                self._failed(e)
+        f = Fetch(start, list(hashes), fut)
+        if fut is None:
+            f.blocks = []
+        self._fetches[request_id] = f
+        return f
+
+    def pending(self) -> list[concurrent.futures.Future]:
+        return [f.future for f in self._fetches.values() if f.future is not None and not f.future.done()]
+
+    def is_pending(self, request_id: str) -> bool:
+        f = self._fetches.get(request_id)
+        return f is not None and not f.done
+
+    def result(self, request_id: str) -> Fetch | None:
+        """The request's finished fetch with ``blocks`` filled ([] on any failure), or None."""
+        f = self._fetches.get(request_id)
+        if f is None or not f.done:
+            return None
+        if f.blocks is None:
+            f.blocks = self._blocks_of(f)
+        return f
+
+    def _blocks_of(self, f: Fetch) -> list[torch.Tensor]:
+        assert f.future is not None
+        try:
+            got: list[WireBlock] = f.future.result(timeout=0)
+        except (TransferError, concurrent.futures.CancelledError, RuntimeError) as e:
+            self._failed(e)
+            return []
+        out = []
+        for want, blk in zip(f.hashes, got):
+            if blk.block_hash != want or blk.header.layout != self.layout:  # the client checked; belt and braces
+                self._failed(HeaderMismatch("block_hash", want, blk.block_hash))
+                break
+            out.append(torch.from_numpy(blk.data).view(self.dtype).view(self.block_shape))
+        return out
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's fetch (admitted, finished or aborted); a running get is abandoned."""
+        self._fetches.pop(request_id, None)
+
+    # ---- write-through ------------------------------------------------------------------------
+    def save(self, kv_cache: torch.Tensor, block_ids: Sequence[int], hashes: Sequence[BlockHash],
+             parents: Sequence[BlockHash | None]) -> None:
+        """Write the listed (full, cached) primary blocks through to the node; never waits."""
+        n = len(block_ids)
+        if not n:
+            return
+        size = n * self.layout.nbytes
+        clients = self._clients()
+        with self._lock:
+            room = self._inflight_bytes + size <= self.max_inflight_bytes
+            if clients is None or not room:
+                self.stats.dropped += n
+                return
+            self._inflight_bytes += size
+        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=kv_cache.device)
+        # One gather: [n, layers, 2, block_size, heads, dim], each row one block's wire payload.
+        data = kv_cache.index_select(2, ids).movedim(2, 0).contiguous().cpu()
+        flat = as_bytes(data).reshape(n, -1)
+        blocks = [WireBlock(BlockHeader(self.layout, h, p), flat[i]) for i, (h, p) in enumerate(zip(hashes, parents))]
+        try:
+            fut = clients[1].put(blocks, self.timeout)
+        except TransferError as e:  # ClientBusy
+            with self._lock:
+                self._inflight_bytes -= size
+                self.stats.dropped += n
+            self._failed(e, count=False)
+            return
+        # `data` must outlive the put: the callback holds it until the future is done.
+        fut.add_done_callback(lambda f, data=data: self._saved(f, n, size, data))
+
+    def _saved(self, fut: concurrent.futures.Future, n: int, size: int, _data: Any) -> None:
+        with self._lock:
+            self._inflight_bytes -= size
+        try:
+            statuses = fut.result()
+        except (TransferError, concurrent.futures.CancelledError, RuntimeError) as e:
+            with self._lock:
+                self.stats.dropped += n
+            self._failed(e)
+            return
+        with self._lock:
+            self.stats.stored += sum(1 for s in statuses if s == "stored")
+            self.stats.dropped += sum(1 for s in statuses if s not in ("stored", "exists"))
+
+    @property
+    def inflight_bytes(self) -> int:
+        with self._lock:
+            return self._inflight_bytes
+
+    def _failed(self, e: BaseException, count: bool = True) -> None:
+        if count:
+            with self._lock:
+                self.stats.failures += 1
+        log.debug("cache node: %s: %s (recompute)", type(e).__name__, e)
+        if self._on_failure is not None and isinstance(e, Exception):
+            self._on_failure(e)
+
+    def snapshot_stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(**self.stats.as_dict())

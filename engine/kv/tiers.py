@@ -1,0 +1,203 @@
+"""The tiers below the primary pool, as the scheduler and the engine step see them.
+
+Prefix lookup walks a request's chain across tiers: primary hits (``KVCacheManager``), then the
+host tier, then the cache node, then recompute. ``lookup`` answers the admission of one waiting
+request with ``LowerHits`` (blocks to load into freshly allocated primary blocks) or ``None``
+("defer": a cache-node fetch is in flight; the scheduler sets the request aside and runs others).
+Per step, ``flush`` moves bytes before the forward pass (saves of evicted blocks first, then all
+loads in one scatter), and ``after_step`` writes newly full blocks through to the cache node.
+
+Invariants:
+
+* a hash is in at most one of (primary prefix index, host tier): eviction moves it down
+  (``on_evict``), promotion moves it up (``commit``), and a primary ``BlockStored`` removes it
+  from the host tier (``on_primary_event``);
+* hits of one admission are contiguous chain positions ``[n_primary, n_primary + num_blocks)``
+  and end before the request's last token (at least one token is always computed);
+* between ``lookup`` and ``commit``/``cancel`` (one admission, same scheduling step) the host
+  blocks found are reserved, so the admission's own allocation cannot evict them;
+* loads are applied by the next ``flush``, before any forward pass reads the blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_pool import KVBlock, KVIntegrityError
+from .events import TIER_CPU, TIER_GPU, TIER_REMOTE, AllBlocksCleared, BlockStored, KVEvent
+from .host_tier import HostTier, TierStats
+from .kv_manager import CachedSegment, KVCacheManager
+from .remote_tier import RemoteTier
+
+
+@dataclass
+class LowerHits:
+    """Blocks one admission loads from the lower tiers, in chain order: host first, then remote."""
+
+    host_hashes: list[bytes] = field(default_factory=list)
+    remote_blocks: list[torch.Tensor] = field(default_factory=list)
+    block_size: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.host_hashes) + len(self.remote_blocks)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass
+class TierSnapshot:
+    """One tier's size and counters, as the metrics report them."""
+
+    tier: str
+    capacity_blocks: int
+    used_blocks: int
+    block_bytes: int
+    stats: TierStats
+
+
+class KVTiers:
+    def __init__(self, kv: KVCacheManager, kv_cache: torch.Tensor, host: HostTier | None = None,
+                 remote: RemoteTier | None = None) -> None:
+        self.kv = kv
+        self.kv_cache = kv_cache
+        self.host = host
+        self.remote = remote
+        self.block_size = kv.block_size
+        self._remote_loads: list[tuple[torch.Tensor, int]] = []
+
+    # ---- admission ----------------------------------------------------------------------------
+    def lookup(self, request_id: str, num_tokens: int, num_primary_blocks: int) -> LowerHits | None:
+        """Lower-tier hits after ``num_primary_blocks`` primary hits; None defers the request.
+
+        Call right after ``KVCacheManager.get_computed_blocks`` (which extended the chain).
+        """
+        bs = self.block_size
+        max_blocks = (num_tokens - 1) // bs
+        chain = self.kv.chain(request_id)[:max_blocks]
+        hits = LowerHits(block_size=bs)
+        n = num_primary_blocks
+        k = self.host.count(chain[n:]) if self.host is not None else 0
+        if self.remote is not None:
+            f = self.remote.result(request_id)
+            if f is None:
+                if self.remote.is_pending(request_id):
+                    return None
+                if n + k < max_blocks:
+                    f = self.remote.start_fetch(request_id, n + k, chain[n + k:])
+                    if not f.done:
+                        return None
+                    f = self.remote.result(request_id)
+            if f is not None and f.blocks and f.start <= n + k:
+                # Fetched blocks cover chain[f.start : f.start + len]; use those past the local hits.
+                skip = n + k - f.start
+                hits.remote_blocks = f.blocks[skip:max_blocks - f.start]
+        if k:
+            hits.host_hashes = chain[n:n + k]
+            self.host.reserve(hits.host_hashes)
+        return hits
+
+    def commit(self, request_id: str, hits: LowerHits, blocks: Sequence[KVBlock], num_primary_blocks: int,
+               num_tokens: int) -> None:
+        """The admission happened: ``blocks`` (freshly allocated, chain order) receive the hits."""
+        k = len(hits.host_hashes)
+        ids = [b.block_id for b in blocks[:hits.num_blocks]]
+        max_blocks = (num_tokens - 1) // self.block_size
+        if self.host is not None:
+            if k:
+                self.host.promote(hits.host_hashes, ids[:k])
+            self.host.stats.queries += (max_blocks - num_primary_blocks) * self.block_size
+            self.host.stats.hits += k * self.block_size
+        if self.remote is not None:
+            f = self.remote.fetch(request_id)
+            if f is not None:
+                self.remote.stats.queries += len(f.hashes) * self.block_size
+                self.remote.stats.hits += len(hits.remote_blocks) * self.block_size
+                self.remote.stats.promotions += len(hits.remote_blocks)
+            self._remote_loads.extend(zip(hits.remote_blocks, ids[k:]))
+            self.remote.forget(request_id)
+
+    def cancel(self, hits: LowerHits | None) -> None:
+        """The admission did not happen (no room): give the reserved host blocks back."""
+        if hits is not None and hits.host_hashes and self.host is not None:
+            self.host.release(hits.host_hashes)
+
+    def forget(self, request_id: str) -> None:
+        if self.remote is not None:
+            self.remote.forget(request_id)
+
+    def is_deferred(self, request_id: str) -> bool:
+        return self.remote is not None and self.remote.is_pending(request_id)
+
+    # ---- per step -----------------------------------------------------------------------------
+    def on_evict(self, blocks: list[KVBlock]) -> None:
+        if self.host is not None:
+            self.host.save(blocks)
+
+    def on_primary_event(self, event: KVEvent) -> None:
+        if self.host is None or event.tier != TIER_GPU:
+            return
+        if isinstance(event, BlockStored):
+            self.host.discard(event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            self.host.clear()
+
+    def flush(self) -> None:
+        """Apply pending saves, then every pending load (one scatter into the KV cache)."""
+        srcs: list[torch.Tensor] = []
+        ids: list[int] = []
+        if self.host is not None:
+            self.host.flush_saves(self.kv_cache)
+            loaded = self.host.take_loads()
+            if loaded is not None:
+                srcs.append(loaded[0])
+                ids += loaded[1]
+        if self._remote_loads:
+            srcs.append(torch.stack([t for t, _ in self._remote_loads]))
+            ids += [b for _, b in self._remote_loads]
+            self._remote_loads.clear()
+        if not ids:
+            return
+        src = srcs[0] if len(srcs) == 1 else torch.cat(srcs)
+        dev = self.kv_cache.device
+        target = torch.tensor(ids, dtype=torch.int64, device=dev)
+        self.kv_cache.index_copy_(2, target, src.to(dev, non_blocking=True).movedim(0, 2))
+
+    def after_step(self, segments: Sequence[CachedSegment]) -> None:
+        """Write the blocks this step made full through to the cache node (asynchronously)."""
+        if self.remote is None or not segments:
+            return
+        ids, hashes, parents = [], [], []
+        for seg in segments:
+            parent = seg.parent_hash
+            for b, h in zip(seg.block_ids, seg.block_hashes):
+                ids.append(b)
+                hashes.append(h)
+                parents.append(parent)
+                parent = h
+        self.remote.save(self.kv_cache, ids, hashes, parents)
+
+    # ---- reporting ----------------------------------------------------------------------------
+    def snapshots(self) -> list[TierSnapshot]:
+        out = []
+        if self.host is not None:
+            h = self.host
+            out.append(TierSnapshot(TIER_CPU, h.num_slots, h.used_blocks, h.block_bytes,
+                                    TierStats(**h.stats.as_dict())))
+        if self.remote is not None:
+            r = self.remote
+            out.append(TierSnapshot(TIER_REMOTE, 0, 0, r.layout.nbytes, r.snapshot_stats()))
+        return out
+
+    def check_integrity(self) -> None:
+        if self.host is None:
+            return
+        self.host.check_integrity()
+        both = self.host.hashes() & self.kv.pool.cached.keys()
+        if both:
+            raise KVIntegrityError(f"{len(both)} block hashes are cached in both the primary pool and the host tier")
