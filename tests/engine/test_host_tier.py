@@ -34,7 +34,6 @@ def test_saves_promotes_and_loads_exact_bytes():
     events = []
     tier = HostTier(4, SHAPE, torch.float32, torch.device("cpu"), 4, events.append)
     kv = _cache()
-    before = kv.clone()
     h = [bytes([i]) * 32 for i in range(3)]
     tier.save([_evicted(5, h[0]), _evicted(2, h[1], h[0]), _evicted(7, h[2], h[1])])
     tier.flush_saves(kv)

@@ -1,0 +1,176 @@
+"""Cache-node tier on a tiny random model: one engine writes blocks through to a real `kvmesh
+cache-node` process, another reloads them instead of recomputing; a stopped, killed or
+mismatched node means recompute with the same tokens, never an error."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvmesh.engine.kv.events import TIER_REMOTE
+from kvmesh.engine.kv.node_link import CacheNodeAddressError, parse_host_port
+from kvmesh.engine.transfer.buffers import KVBlock
+from kvmesh.engine.transfer.client import KVClient
+from kvmesh.engine.transfer.header import BlockHeader, kv_layout
+
+from ..cachenode.test_node_process import NodeProc
+from .test_host_tier import BS, MAX_NEW, PROMPTS, _params, hf_greedy, loaded, model_dir, tiny_engine  # noqa: F401
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):  # noqa: F811
+    return hf_greedy(model_dir, PROMPTS)
+
+
+@pytest.fixture
+def node():
+    n = NodeProc(memory="64MiB", events=False).start()
+    yield n
+    n.stop(signal.SIGKILL)
+
+
+def _engine(model_dir, loaded, node, **kw):  # noqa: F811
+    kw.setdefault("cache_node_timeout", 10.0)
+    llm = tiny_engine(model_dir, loaded, num_kv_blocks=64, cache_node=f"127.0.0.1:{node.http_port}", **kw)
+    _wait(lambda: llm.engine._cache_node.clients() is not None, "the engine never resolved the cache node")
+    return llm
+
+
+def _wait(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(what)
+        time.sleep(0.05)
+
+
+def _written(llm, n: int) -> None:
+    remote = llm.engine.tiers.remote
+    _wait(lambda: remote.inflight_bytes == 0 and remote.snapshot_stats().stored >= n,
+          f"write-through did not store {n} blocks: {remote.snapshot_stats()}")
+
+
+def test_another_engine_reloads_what_one_wrote_through(model_dir, loaded, node, reference):  # noqa: F811
+    writer = _engine(model_dir, loaded, node)
+    assert writer.generate([PROMPTS[0]], _params())[0].token_ids == reference[0]
+    full = (len(PROMPTS[0]) + MAX_NEW - 1) // BS
+    _written(writer, full - 1)
+    writer.engine.close()
+
+    reader = _engine(model_dir, loaded, node)
+    res = reader.generate([PROMPTS[0], PROMPTS[1]], _params())
+    assert [r.token_ids for r in res] == reference[:2]
+    stats = reader.engine.tiers.remote.snapshot_stats()
+    assert stats.hits >= (len(PROMPTS[0]) - 1) // BS * BS - BS and stats.promotions > 0, stats
+    assert stats.failures == 0
+    assert res[0].num_cached_tokens == stats.hits or res[1].num_cached_tokens > 0
+    again = reader.generate([PROMPTS[2]], _params())[0]  # the promoted prefix now hits in the primary pool
+    assert again.token_ids == reference[2]
+    reader.engine.check_integrity()
+    reader.engine.close()
+
+
+def test_stopped_then_killed_node_means_recompute(model_dir, loaded, node, reference):  # noqa: F811
+    llm = _engine(model_dir, loaded, node, cache_node_timeout=1.0)
+    assert llm.generate([PROMPTS[0]], _params())[0].token_ids == reference[0]
+    _written(llm, 1)
+    llm.engine.kv.reset_prefix_cache()  # force the next request to look on the node
+    node.proc.send_signal(signal.SIGSTOP)  # slow: the get times out
+    try:
+        assert llm.generate([PROMPTS[1]], _params())[0].token_ids == reference[1]
+        assert llm.engine.tiers.remote.snapshot_stats().failures >= 1
+    finally:
+        node.proc.send_signal(signal.SIGKILL)
+        node.proc.send_signal(signal.SIGCONT)
+        node.proc.wait(10)
+    llm.engine.kv.reset_prefix_cache()
+    assert llm.generate([PROMPTS[2]], _params())[0].token_ids == reference[2]  # dead: recompute
+    llm.engine.check_integrity()
+    llm.engine.close()
+
+
+def test_node_killed_mid_get_means_recompute(model_dir, loaded, node, reference):  # noqa: F811
+    llm = _engine(model_dir, loaded, node, cache_node_timeout=30.0)
+    eng = llm.engine
+    assert llm.generate([PROMPTS[0]], _params())[0].token_ids == reference[0]
+    _written(llm, 1)
+    eng.kv.reset_prefix_cache()
+    node.proc.send_signal(signal.SIGSTOP)  # the get is sent and waits for an answer ...
+    eng.add_request("mid-get", PROMPTS[1], _params())
+    eng.step()
+    assert eng.waiting_on_transfers, "the request did not wait for its fetch"
+    node.proc.send_signal(signal.SIGKILL)  # ... and the node dies before answering
+    node.proc.send_signal(signal.SIGCONT)
+    node.proc.wait(10)
+    tokens: list[int] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for out in eng.step():
+            tokens = out.output_token_ids
+            if out.finished:
+                deadline = 0
+        time.sleep(0.001)
+    assert tokens == reference[1]
+    assert eng.tiers.remote.snapshot_stats().failures >= 1
+    eng.check_integrity()
+    eng.close()
+
+
+def test_header_mismatch_is_rejected_and_recomputed(model_dir, loaded, node, reference):  # noqa: F811
+    llm = _engine(model_dir, loaded, node)
+    eng = llm.engine
+    layout = eng.tiers.remote.layout
+    # Blocks under this engine's hashes but another dtype: the node refuses to serve them to it.
+    wrong = kv_layout(layout.extra_key, "bfloat16", layout.block_size, layout.num_layers, layout.num_kv_heads,
+                      layout.head_dim)
+    eng.kv.get_computed_blocks("probe", PROMPTS[0])
+    chain = eng.kv.block_hashes("probe")
+    eng.kv.free("probe")
+
+    blocks, parent = [], None
+    for h in chain:
+        blocks.append(KVBlock(BlockHeader(wrong, h, parent), np.zeros(wrong.nbytes, np.uint8)))
+        parent = h
+    with KVClient("127.0.0.1", node.ucx_port, timeout=10) as c:
+        assert set(c.put(blocks).result(15)) == {"stored"}
+    res = llm.generate([PROMPTS[0]], _params())[0]
+    assert res.token_ids == reference[0]
+    stats = eng.tiers.remote.snapshot_stats()
+    assert stats.failures >= 1 and stats.hits == 0
+    eng.check_integrity()
+    eng.close()
+
+
+def test_unreachable_node_drops_saves_and_recomputes(model_dir, loaded, reference):  # noqa: F811
+    from ..cachenode.test_node_process import free_ports
+
+    (port,) = free_ports(1)
+    llm = tiny_engine(model_dir, loaded, num_kv_blocks=64, cache_node=f"127.0.0.1:{port}", cache_node_timeout=1.0)
+    assert llm.generate([PROMPTS[0]], _params())[0].token_ids == reference[0]
+    stats = llm.engine.tiers.remote.snapshot_stats()
+    assert stats.dropped > 0 and stats.hits == 0
+    assert TIER_REMOTE not in {t for t, h in llm.engine.events.snapshot().hashes.items() if h}
+    llm.engine.close()
+
+
+def test_cache_node_address():
+    assert parse_host_port("kv-cache.ns.svc:8000") == ("kv-cache.ns.svc", 8000)
+    assert parse_host_port("[::1]:8000") == ("::1", 8000)
+    for bad in ("nohost", ":8000", "h:0", "h:x"):
+        with pytest.raises(CacheNodeAddressError):
+            parse_host_port(bad)
+
+
+def test_operator_cache_service_means_cache_node():
+    from kvmesh.cli import build_parser
+    from kvmesh.engine.server.cli import settings_from_args
+
+    args = build_parser().parse_args(["serve", "--cache-service", "demo-cache.ns.svc.cluster.local:8000",
+                                      "--cpu-kv-bytes", "1GiB"])
+    cfg = settings_from_args(args).engine
+    assert cfg.cache_node == "demo-cache.ns.svc.cluster.local:8000" and cfg.cpu_kv_bytes == 1 << 30
