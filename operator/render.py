@@ -35,6 +35,8 @@ ENGINE_PORT = 8000
 # KV event stream of every engine (ZeroMQ PUB; replay requests on the next port). 5557 is the
 # port vLLM's KV event publisher documents, so third-party routers find it where they expect.
 KV_EVENTS_PORT = 5557
+# A cache node's UCX listener (block transfers); engines find it in the node's /kv/info.
+CACHE_UCX_PORT = ENGINE_PORT + 1
 CONFIG_DIR = "/etc/kvmesh"
 CONFIG_FILE = "kvmesh.yaml"
 MODEL_DIR = "/models"
@@ -209,7 +211,8 @@ def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[
                  "--drain-timeout", str(drain_timeout_s(spec.component(component)))]
         return args + common
     if component == "cache":
-        return ["kvmesh", "cache-node", "--memory", str(spec.cache.memory)] + common
+        return ["kvmesh", "cache-node", "--memory", str(spec.cache.memory),
+                "--ucx-port", str(CACHE_UCX_PORT)] + common
     if component == "router":
         args = ["kvmesh", "router", "--policy", str(spec.router.policy),
                 "--model", spec.model.name]
@@ -277,11 +280,13 @@ def _env(owner: Owner, component: str) -> list[dict[str, Any]]:
     ]
 
 
-def _container_ports(engine: bool) -> list[dict[str, Any]]:
+def _container_ports(component: str) -> list[dict[str, Any]]:
     ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
-    if engine:
+    if component in ("prefill", "decode"):
         ports += [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
                   {"name": "kv-replay", "containerPort": KV_EVENTS_PORT + 1, "protocol": "TCP"}]
+    if component == "cache":
+        ports.append({"name": "ucx", "containerPort": CACHE_UCX_PORT, "protocol": "TCP"})
     return ports
 
 
@@ -317,7 +322,7 @@ def render_deployment(
         # `command` rather than args alone: works whatever the image's ENTRYPOINT.
         "command": argv[:1],
         "args": argv[1:],
-        "ports": _container_ports(engine),
+        "ports": _container_ports(component),
         "env": _env(owner, component),
         "resources": _resources(c),
         "volumeMounts": mounts,
@@ -376,6 +381,8 @@ def render_service(owner: Owner, component: str) -> dict[str, Any]:
         "selector": selector_labels(owner, component),
         "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
     }
+    if component == "cache":
+        svc_spec["ports"].append({"name": "ucx", "port": CACHE_UCX_PORT, "targetPort": "ucx", "protocol": "TCP"})
     if component == "router":
         svc_spec["type"] = "ClusterIP"
     else:

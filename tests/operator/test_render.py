@@ -209,7 +209,27 @@ def test_engines_publish_kv_events_on_exposed_ports(cr):
         assert parser.parse_args(args[2:]).kv_events_port == 5557  # what `kvmesh serve` accepts
     for c in ("cache", "router"):
         assert "--kv-events-port" not in argv(objs, c)
-        assert [p["name"] for p in container(objs, c)["ports"]] == ["http"]
+    assert [p["name"] for p in container(objs, "router")["ports"]] == ["http"]
+
+
+def test_cache_nodes_expose_their_ucx_port(cr):
+    """Engines reach a cache node's HTTP port through --cache-service and read the UCX port from its
+    /kv/info: the container and the headless Service must carry that port too."""
+    from kvmesh.cli import build_parser
+    from kvmesh.engine.cachenode.cli import settings_from_args
+
+    objs = r.render_all(cr)
+    args = argv(objs, "cache")
+    settings = settings_from_args(build_parser().parse_args(args[1:] + ["--memory", "8Gi"]))
+    assert settings.ucx_port == r.CACHE_UCX_PORT == 8001
+    ports = {p["name"]: p["containerPort"] for p in container(objs, "cache")["ports"]}
+    assert ports == {"http": 8000, "ucx": 8001}
+    svc = by_key(objs)[("Service", "llm-cache")]["spec"]
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["ports"]} == {"http": (8000, "http"),
+                                                                               "ucx": (8001, "ucx")}
+    assert svc["clusterIP"] == "None"
+    engine_args = argv(objs, "decode")
+    assert engine_args[engine_args.index("--cache-service") + 1] == "llm-cache.serving.svc:8000"
 
 
 def test_configmap_carries_the_autoscaler_bounds_per_resized_pool():
