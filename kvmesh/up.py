@@ -37,6 +37,10 @@ class UpOptions:
     threads: int | None = None  # per engine; None: split the cores evenly
     kv_cache_bytes: str | None = None
     serve_args: tuple[str, ...] = ()
+    cache_node: bool = False  # one `kvmesh cache-node` that every engine writes through to and reloads from
+    cache_node_port: int = 8090  # its HTTP port; its UCX port is the next one
+    cache_node_memory: str = "1GiB"
+    cpu_kv_bytes: str | None = None  # each engine's host KV tier
 
 
 @dataclass(frozen=True)
@@ -63,26 +67,41 @@ def threads_per_engine(engines: int, cores: int, requested: int | None) -> int:
 
 
 def plan(opts: UpOptions, cores: int) -> list[ProcSpec]:
-    """Engines first, then the router that fronts them (the order they are started in)."""
+    """The cache node (with --cache-node), the engines, then the router that fronts them: the order
+    they are started in (and stopped in reverse)."""
     if opts.engines < 1:
         raise UpError(f"--engines must be >= 1, got {opts.engines}")
     ports = [opts.port] + [opts.engine_base_port + i for i in range(opts.engines)]
     ports += [opts.kv_events_base_port + 2 * i + k for i in range(opts.engines) for k in (0, 1)]
+    if opts.cache_node:
+        ports += [opts.cache_node_port, opts.cache_node_port + 1]
     if len(set(ports)) != len(ports) or any(not 0 < p < 65536 for p in ports):
-        raise UpError(f"the router port, the engine ports ({opts.engine_base_port}+i) and the KV event ports "
-                      f"({opts.kv_events_base_port}+2i, +2i+1) must be distinct valid ports: {sorted(ports)}")
+        raise UpError(f"the router port, the engine ports ({opts.engine_base_port}+i), the KV event ports "
+                      f"({opts.kv_events_base_port}+2i, +2i+1) and the cache node's ports (HTTP, UCX = HTTP+1) "
+                      f"must be distinct valid ports: {sorted(ports)}")
     threads = threads_per_engine(opts.engines, cores, opts.threads)
     # Each engine is told its thread count; the env keeps OpenMP/BLAS pools from oversubscribing.
     env = {"OMP_NUM_THREADS": str(threads)}
     specs: list[ProcSpec] = []
+    cache_args: list[str] = []
+    if opts.cache_node:
+        node = f"{opts.host}:{opts.cache_node_port}"
+        specs.append(ProcSpec("cache-node", ("cache-node", "--memory", opts.cache_node_memory, "--host", opts.host,
+                                             "--port", str(opts.cache_node_port),
+                                             "--ucx-port", str(opts.cache_node_port + 1)), f"http://{node}"))
+        cache_args = ["--cache-node", node]
+    if opts.cpu_kv_bytes:
+        cache_args += ["--cpu-kv-bytes", opts.cpu_kv_bytes]
+    first_engine = len(specs)
     for i in range(opts.engines):
         port = opts.engine_base_port + i
         args = ["serve", "--model", opts.model, "--host", opts.host, "--port", str(port),
                 "--num-threads", str(threads), "--kv-events-port", str(opts.kv_events_base_port + 2 * i)]
         if opts.kv_cache_bytes:
             args += ["--kv-cache-bytes", opts.kv_cache_bytes]
+        args += cache_args
         specs.append(ProcSpec(f"engine-{i}", tuple(args + list(opts.serve_args)), f"http://{opts.host}:{port}", env))
-    router = ["router", "--engines", ",".join(s.url for s in specs), "--policy", opts.policy,
+    router = ["router", "--engines", ",".join(s.url for s in specs[first_engine:]), "--policy", opts.policy,
               "--model", opts.model, "--host", opts.host, "--port", str(opts.port)]
     specs.append(ProcSpec("router", tuple(router), f"http://{opts.host}:{opts.port}"))
     return specs
@@ -286,6 +305,14 @@ def add_up_subcommand(subparsers: argparse._SubParsersAction) -> None:
                    help="router policy (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per engine (default: cores / engines)")
     p.add_argument("--kv-cache-bytes", default=None, metavar="SIZE", help="KV budget per engine, e.g. 512MiB")
+    p.add_argument("--cache-node", action="store_true",
+                   help="also run a `kvmesh cache-node`; every engine writes computed KV through to it and "
+                        "reloads from it instead of recomputing")
+    p.add_argument("--cache-node-port", type=int, default=8090,
+                   help="the cache node's HTTP port; its UCX port is the next one (default: %(default)s)")
+    p.add_argument("--cache-node-memory", default="1GiB", metavar="SIZE",
+                   help="the cache node's KV capacity (default: %(default)s)")
+    p.add_argument("--cpu-kv-bytes", default=None, metavar="SIZE", help="host KV tier per engine, e.g. 2GiB")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every `kvmesh serve` (repeatable, e.g. --serve-arg=--dtype=float32)")
     p.add_argument("--status-interval", type=float, default=30.0, metavar="SECONDS",
@@ -299,7 +326,9 @@ def add_up_subcommand(subparsers: argparse._SubParsersAction) -> None:
 def handler(args: argparse.Namespace) -> int:
     opts = UpOptions(engines=args.engines, host=args.host, port=args.port, engine_base_port=args.engine_base_port,
                      kv_events_base_port=args.kv_events_base_port, model=args.model, policy=args.policy,
-                     threads=args.threads, kv_cache_bytes=args.kv_cache_bytes, serve_args=tuple(args.serve_arg))
+                     threads=args.threads, kv_cache_bytes=args.kv_cache_bytes, serve_args=tuple(args.serve_arg),
+                     cache_node=args.cache_node, cache_node_port=args.cache_node_port,
+                     cache_node_memory=args.cache_node_memory, cpu_kv_bytes=args.cpu_kv_bytes)
     try:
         specs = plan(opts, os.cpu_count() or 1)
     except UpError as e:

@@ -57,6 +57,31 @@ def test_every_planned_command_line_parses_with_the_real_cli() -> None:
         assert args.func is not None, spec
 
 
+def test_cache_node_starts_first_and_every_engine_uses_it() -> None:
+    specs = plan(UpOptions(engines=2, cache_node=True, cache_node_port=9200, cache_node_memory="2GiB",
+                           cpu_kv_bytes="512MiB"), cores=2)
+    assert [s.name for s in specs] == ["cache-node", "engine-0", "engine-1", "router"]
+    node = specs[0]
+    assert node.url == "http://127.0.0.1:9200"
+    assert node.args[node.args.index("--ucx-port") + 1] == "9201"
+    assert node.args[node.args.index("--memory") + 1] == "2GiB"
+    for eng in specs[1:3]:
+        assert eng.args[eng.args.index("--cache-node") + 1] == "127.0.0.1:9200"
+        assert eng.args[eng.args.index("--cpu-kv-bytes") + 1] == "512MiB"
+    router = specs[-1].args
+    assert router[router.index("--engines") + 1] == "http://127.0.0.1:8100,http://127.0.0.1:8101"
+    parser = build_parser()
+    for spec in specs:
+        assert parser.parse_args(list(spec.args)).func is not None, spec
+    assert "--cache-node" not in plan(UpOptions(engines=1), cores=2)[0].args
+
+
+@pytest.mark.parametrize("port", [8100, 8099, 5557])  # engine-0's port, UCX = 8100, a KV events port
+def test_cache_node_ports_must_not_collide(port: int) -> None:
+    with pytest.raises(UpError, match="cache node"):
+        plan(UpOptions(cache_node=True, cache_node_port=port), cores=2)
+
+
 def test_a_child_that_dies_stops_up_with_its_last_log_lines(tmp_path: Path) -> None:
     """A real `kvmesh serve` that cannot load its model exits; `up` reports it and exits 1."""
     missing = tmp_path / "missing.gguf"
