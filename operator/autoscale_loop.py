@@ -20,6 +20,7 @@ from typing import Any
 from . import spec as s
 from .autoscaler import AutoscalerState, Decision, MetricsWindow, PoolSample, autoscaled_pools, decide, \
     effective_replicas
+from .metrics import OperatorMetrics
 from .metrics_source import MetricsSource, MetricsSourceError, PoolTarget
 from .scaling import PodInfo, PoolScaler
 
@@ -101,10 +102,18 @@ class AutoscaleRunner:
     source: MetricsSource
     io: AutoscaleIO
     port: int = 8000
+    metrics: OperatorMetrics | None = None
     _tracked: dict[tuple[str, str], _Tracked] = field(default_factory=dict, repr=False)
 
     def forget(self, namespace: str, name: str) -> None:
         self._tracked.pop((namespace, name), None)
+
+    def retain(self, alive: list[tuple[str, str]]) -> None:
+        """Forget every InferenceDeployment not in `alive` (namespace, name): it was deleted."""
+        for key in [k for k in self._tracked if k not in set(alive)]:
+            self.forget(*key)
+        if self.metrics is not None:
+            self.metrics.retain(alive)
 
     def tick(self, obj: Mapping[str, Any], now: float) -> dict[str, Decision]:
         """One round for one CR at Unix time `now`; returns the decisions taken."""
@@ -128,6 +137,8 @@ class AutoscaleRunner:
         current = effective_replicas(spec, obj.get("status"))
         state = replace(tracked.state, replicas={p: current[p] for p in autoscaled_pools(spec)})
         decisions, tracked.state = decide(spec, window, state, now)
+        if self.metrics is not None:
+            self.metrics.record_decisions(ns, name, decisions)
         pool_io = _PoolIO(self, obj, tracked, now)
         for pool, d in decisions.items():
             if not spec.autoscaling.enabled:
@@ -137,7 +148,9 @@ class AutoscaleRunner:
                 scaler = tracked.scalers[pool] = PoolScaler(
                     pool, pool_io, spec.component(pool).termination_grace_period_seconds)
             scaler.io = pool_io
-            scaler.step(d, now)
+            outcome = scaler.step(d, now)
+            if self.metrics is not None:
+                self.metrics.record_step(ns, name, pool, outcome)
         status = self.status(obj, decisions, tracked, now)
         if _changed(obj.get("status") or {}, status):
             self.io.patch_status(ns, name, status)

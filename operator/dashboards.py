@@ -10,9 +10,9 @@ The SLO thresholds are template variables whose options are the latency histogra
 bounds, spelled as the exposition spells `le`: attainment is the share of observations at or
 below the SLO, and a classic histogram knows that exactly only at a bucket bound.
 
-Nothing here reads the autoscaler's desired replicas: the operator exports no metrics, so the
-replicas panel shows pods scraped and ready per pool, and a text panel points at the
-InferenceDeployment's status and Events for the autoscaler's decisions and reasons.
+The autoscaler's panels read the operator's own metrics (operator/metrics.py), which carry the
+same namespace / inference_deployment / component labels as exported (the chart's operator
+PodMonitor honors them).
 """
 
 from __future__ import annotations
@@ -167,13 +167,24 @@ PANELS: tuple[Panel, ...] = (
         Query(f"sum by (component) (kvmesh_server_ready{{{ENGINES}}})", "ready {{component}}"),
         Query(f"max(kvmesh_router_engines_healthy{{{ROUTER}}})", "healthy engines (router's view)")),
         "Current replicas as Prometheus sees them."),
-    Panel("Autoscaler decisions", "", (), text=(
-        "The operator exports no metrics: the autoscaler's desired replicas per pool, its last "
-        "decision with reason and time, and the `SLOMet` condition are in the InferenceDeployment's "
-        "status (`kubectl -n $namespace get inferencedeployment $deployment -o yaml`, "
-        "`status.autoscaling`), and each scaling action is an Event "
-        "(`kubectl -n $namespace describe inferencedeployment $deployment`). "
-        "The panel to the left shows the replicas that are running.")),
+    Panel("Replicas desired vs current", "short", (
+        Query(f"max by (component) (kvmesh_autoscaler_desired_replicas{{{_POOL}}})", "desired {{component}}"),
+        Query(f"max by (component) (kvmesh_autoscaler_current_replicas{{{_POOL}}})", "current {{component}}"),
+        Query(f"min by (component) (kvmesh_autoscaler_slo_met{{{_POOL}}})", "SLO met {{component}}")),
+        "The autoscaler's last decision per pool (from the operator's /metrics), and whether the "
+        "pool met its SLO (1) or not (0)."),
+    Panel("Autoscaler decisions by reason", "short", (
+        Query(f"sum by (component, direction, reason) "
+              f"(increase(kvmesh_autoscaler_decisions_total{{{_POOL}}}[{RATE}]))",
+              "{{component}} {{direction}} {{reason}}"),
+        Query(f"sum by (component) (increase(kvmesh_autoscaler_drains_started_total{{{_POOL}}}[{RATE}]))",
+              "drains started {{component}}"),
+        Query(f"sum by (component) "
+              f"(increase(kvmesh_autoscaler_drains_timed_out_total{{{_POOL}}}[{RATE}]))",
+              "drains timed out {{component}}")),
+        "Decisions per interval by direction (up, down, hold) and reason; drains before "
+        "scale-downs, and those that ran out of time. The last decision's message is in the "
+        "InferenceDeployment's status.autoscaling, each action an Event on it."),
 )
 
 

@@ -66,7 +66,10 @@ class PoolScaler:
     draining: Drain | None = None
 
     def step(self, decision: Decision, now: float) -> str:
-        """Advance towards `decision`; returns what happened (for logs and tests)."""
+        """Advance towards `decision`; returns what happened (for metrics, logs and tests):
+        "hold", "scaled-up", "scaled-down" (nothing ready to drain), "drain-started",
+        "draining" (still waiting), "drained" (victim idle or gone, then removed) or
+        "drain-timed-out" (the bound passed with requests left, removed anyway)."""
         if self.draining is not None:
             return self._continue_drain(now)
         if decision.desired > decision.current:
@@ -97,7 +100,7 @@ class PoolScaler:
                       f"{self.pool}: draining {victim.name} ({victim.in_flight} in flight) before "
                       f"{decision.current} -> {decision.current - 1} ({decision.reason}: "
                       f"{decision.message})")
-        return "draining"
+        return "drain-started"
 
     def _continue_drain(self, now: float) -> str:
         d = self.draining
@@ -107,7 +110,8 @@ class PoolScaler:
             return "draining"
         self.io.mark_for_deletion(self.pool, d.pod)
         self.io.set_replicas(self.pool, d.target)
-        if left is None or left == 0:
+        drained = left is None or left == 0
+        if drained:
             how = f"drained in {now - d.started:.0f}s"
         else:
             how = (f"{left} request(s) still in flight after {self.grace_s:.0f}s; its SIGTERM "
@@ -115,4 +119,4 @@ class PoolScaler:
         self.io.event(self.pool, "ScaledDown", f"{self.pool}: removed {d.pod.name} ({how}); "
                       f"replicas {d.target}")
         self.draining = None
-        return "scaled-down"
+        return "drained" if drained else "drain-timed-out"

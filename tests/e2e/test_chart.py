@@ -69,7 +69,13 @@ def test_template_options(cluster, helm_home):
         "--set", "operator.watchNamespaces={team-a,team-b}",
         "--set", "operator.leaderElection.enabled=false", home=helm_home).stdout)
     names = kinds(objs)
-    assert [n for k, n in names if k == "PodMonitor"] == ["kvmesh-cache", "kvmesh-engines", "kvmesh-router"]
+    assert [n for k, n in names if k == "PodMonitor"] == [
+        "kvmesh-cache", "kvmesh-engines", "kvmesh-operator", "kvmesh-router"]
+    operator = next(o for o in objs if o["kind"] == "PodMonitor" and o["metadata"]["name"] == "kvmesh-operator")
+    endpoint = operator["spec"]["podMetricsEndpoints"][0]
+    # The operator's series name the InferenceDeployment's namespace: kept, not overwritten.
+    assert endpoint["port"] == "health" and endpoint["path"] == "/metrics" and endpoint["honorLabels"]
+    assert operator["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
     engines = next(o for o in objs if o["kind"] == "PodMonitor" and o["metadata"]["name"] == "kvmesh-engines")
     assert engines["spec"]["selector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
     assert {r["targetLabel"] for r in engines["spec"]["podMetricsEndpoints"][0]["relabelings"]} == {

@@ -2,6 +2,8 @@
 real fleet under load: two `kvmesh serve` engines on a tiny random model, a `kvmesh router`
 (round-robin, with a third engine killed after the router saw it healthy, so that requests are
 retried), and a `kvmesh cache-node`. Targets carry the labels the chart's PodMonitors attach.
+The operator's /metrics comes from an autoscaler control loop (AutoscaleRunner with the direct
+pod-scrape source) ticking over the two engines, served on the operator's health endpoint.
 
 After the load, each panel's PromQL, with the template variables filled in, parses and returns
 at least one series with a value; the variables' own queries find the deployment; and
@@ -11,6 +13,7 @@ is how docs/img/dashboard/ was made).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import threading
@@ -21,6 +24,11 @@ import httpx
 import pytest
 
 from kvmesh.operator import dashboards as d
+from kvmesh.operator.autoscale_loop import AutoscaleIO, AutoscaleRunner
+from kvmesh.operator.health import HealthState, serve_health
+from kvmesh.operator.metrics import OperatorMetrics
+from kvmesh.operator.metrics_source import PodScrapeSource
+from kvmesh.operator.scaling import PodInfo
 from kvmesh.operator.dashboard_snapshot import query, render, slo_panels
 from tests.cachenode.test_node_process import NodeProc
 from tests.engine.tiny_models import make_tiny_hf_model
@@ -43,6 +51,54 @@ def engine(model: Path) -> ServerProcess:
     return ServerProcess("--model", str(model), "--dtype", "float32", "--num-kv-blocks", "40",
                          "--block-size", "16", "--max-num-seqs", "4", "--num-threads", "1",
                          "--kv-events-port", str(free_port_pair()))
+
+
+class OperatorLoop:
+    """The autoscaler ticking every second over the engines (a colocated decode pool, scaling on),
+    its metrics on a health endpoint; the cluster side is a CR dict whose status takes the patches."""
+
+    def __init__(self, engines: list[ServerProcess]) -> None:
+        self.obj = {"metadata": {"namespace": NS, "name": NAME, "generation": 1}, "spec": {
+            "model": {"name": "tiny"}, "prefill": {"replicas": 0},
+            "decode": {"replicas": 2, "minReplicas": 1, "maxReplicas": 4},
+            "slo": {"ttftMs": 200, "tpotMs": 20, "percentile": 90},
+            "autoscaling": {"enabled": True, "metricsWindowSeconds": 30,
+                            "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 5}}}
+        pods = [PodInfo(f"{NAME}-decode-5d8c7-{i}", f"127.0.0.1:{e.port}", 0) for i, e in enumerate(engines)]
+        self.metrics = OperatorMetrics()
+        self.runner = AutoscaleRunner(PodScrapeSource(), AutoscaleIO(
+            ready_pods=lambda ns, name, pool: pods, start_drain=lambda pod: None,
+            in_flight=lambda pod: 0, mark_for_deletion=lambda ns, pod: None,
+            patch_status=self._patch_status, apply_replicas=lambda ns, name: None,
+            event=lambda obj, reason, message: None), metrics=self.metrics)
+        self.loop = asyncio.new_event_loop()
+        self.stopped = threading.Event()
+        self.port = 0
+
+    def _patch_status(self, ns: str, name: str, patch: dict) -> None:
+        status = self.obj.setdefault("status", {})
+        for key, value in patch.items():
+            if key == "autoscaling":
+                for pool, fields in value.items():
+                    status.setdefault(key, {}).setdefault(pool, {}).update(fields)
+            else:
+                status[key] = value
+
+    def start(self) -> "OperatorLoop":
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        state = HealthState("operator", metrics=self.metrics.exposition)
+        server = asyncio.run_coroutine_threadsafe(serve_health(state, "127.0.0.1", 0), self.loop).result(30)
+        self.port = server.sockets[0].getsockname()[1]
+        threading.Thread(target=self._tick_forever, daemon=True).start()
+        return self
+
+    def _tick_forever(self) -> None:
+        while not self.stopped.wait(1.0):
+            self.runner.tick(self.obj, time.time())
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +127,11 @@ def fleet(tmp_path_factory):
                    for i, e in enumerate(engines)}
         targets[f"127.0.0.1:{router.port}"] = {**pool, "component": "router", "pod": f"{NAME}-router-6f9d-0"}
         targets[f"127.0.0.1:{cache.http_port}"] = {**pool, "component": "cache", "pod": f"{NAME}-cache-7c4b-0"}
+        operator = OperatorLoop(engines).start()
+        procs.append(operator)
+        # Its series carry their own namespace/inference_deployment/component (the chart's
+        # operator PodMonitor honors them); the target adds no labels that would clash.
+        targets[f"127.0.0.1:{operator.port}"] = {}
         prom = PrometheusProcess(targets).start()
         procs.append(prom)
         yield engines, router, prom
@@ -114,7 +175,7 @@ def wait_scraped(prom: PrometheusProcess, n: int, timeout_s: float = 60) -> None
 
 def test_every_panel_returns_series_after_load(fleet, tmp_path):
     engines, router, prom = fleet
-    wait_scraped(prom, 4)
+    wait_scraped(prom, 5)
     model_id = httpx.get(engines[0].url("/v1/models"), timeout=30).json()["data"][0]["id"]
     start = time.time()
     light = run_load(router, model_id, clients=1, seconds=15)

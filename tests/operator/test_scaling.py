@@ -43,11 +43,11 @@ def decision(current, desired, reason="UnderUtilized"):
 def test_scale_down_drains_the_least_loaded_pod_then_removes_exactly_it():
     fake = FakeCluster({"a": 3, "b": 1, "c": 2})
     s = PoolScaler("decode", fake, grace_s=300)
-    assert s.step(decision(3, 2), now=0) == "draining"
+    assert s.step(decision(3, 2), now=0) == "drain-started"
     assert fake.calls == ["drain b"] and fake.replicas == 3
     assert s.step(decision(3, 2), now=10) == "draining"  # b still has a request
     fake.in_flight_by_pod["b"] = 0
-    assert s.step(decision(3, 2), now=20) == "scaled-down"
+    assert s.step(decision(3, 2), now=20) == "drained"
     # Marked with the lowest deletion cost before replicas go down: the ReplicaSet takes b.
     assert fake.calls == ["drain b", "mark b", "replicas 2"]
     assert [r for r, _ in fake.events] == ["DrainingPod", "ScaledDown"]
@@ -60,7 +60,7 @@ def test_one_drain_at_a_time_and_the_wait_is_bounded_by_the_grace_period():
     s.step(decision(2, 1), now=0)
     assert s.step(decision(2, 1), now=30) == "draining"
     assert fake.calls == ["drain b"]  # no second drain while the first runs
-    assert s.step(decision(2, 1), now=61) == "scaled-down"
+    assert s.step(decision(2, 1), now=61) == "drain-timed-out"
     assert fake.replicas == 1 and fake.marked == ["b"]
     assert "4 request(s) still in flight after 60s" in fake.events[-1][1]
 
@@ -70,7 +70,7 @@ def test_a_pod_that_vanished_while_draining_still_completes_the_scale_down():
     s = PoolScaler("decode", fake, grace_s=300)
     s.step(decision(2, 1), now=0)
     del fake.in_flight_by_pod["a"]
-    assert s.step(decision(2, 1), now=5) == "scaled-down" and fake.replicas == 1
+    assert s.step(decision(2, 1), now=5) == "drained" and fake.replicas == 1
 
 
 def test_pods_that_do_not_answer_are_drained_last():
