@@ -24,6 +24,7 @@ from .health import HealthState, serve_health
 from .leader import LeaseElector, LeaseStore
 from . import engine_admin
 from .autoscale_loop import AutoscaleIO, AutoscaleRunner
+from .metrics import OperatorMetrics
 from .metrics_source import PodScrapeSource, PrometheusSource
 from .reconcile import KubeOps, Reconciler, ReconcileError
 from .render import ENGINE_PORT, MANAGED_BY, OWNER_LABEL
@@ -59,7 +60,8 @@ def production_ops() -> KubeOps:
     )
 
 
-def production_autoscaler(reconciler: Reconciler, opts: OperatorOptions) -> AutoscaleRunner:
+def production_autoscaler(reconciler: Reconciler, opts: OperatorOptions,
+                          metrics: OperatorMetrics | None = None) -> AutoscaleRunner:
     source = PrometheusSource(opts.prometheus_url) if opts.prometheus_url else PodScrapeSource()
 
     def pods(ns: str, name: str, pool: str) -> list[PodInfo]:
@@ -79,7 +81,7 @@ def production_autoscaler(reconciler: Reconciler, opts: OperatorOptions) -> Auto
         patch_status=kube.patch_status,
         apply_replicas=apply_replicas,
         event=kube.emit_event,
-    ))
+    ), metrics=metrics)
 
 
 async def _autoscale_forever(runner: AutoscaleRunner, opts: OperatorOptions) -> None:
@@ -93,6 +95,7 @@ async def _autoscale_forever(runner: AutoscaleRunner, opts: OperatorOptions) -> 
         except Exception as exc:
             log.warning("autoscaler: listing failed: %s", exc)
             continue
+        runner.retain([(o["metadata"]["namespace"], o["metadata"]["name"]) for o in objects])
         for obj in objects:
             try:
                 await asyncio.to_thread(runner.tick, obj, time.time())
@@ -111,9 +114,42 @@ def _run(reconciler: Reconciler, namespace: str | None, name: str | None) -> Non
         log.warning("%s", exc)
 
 
+# The children the operator watches (group, version, plural), and the labels every one carries.
+CHILD_RESOURCES: tuple[tuple[str, str, str], ...] = (
+    ("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"))
+CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, OWNER_LABEL: kopf.PRESENT}
+
+
+def child_label_selector() -> str:
+    """CHILD_LABELS as a Kubernetes label selector ("key=value" or "key" for presence)."""
+    return ",".join(k if v is kopf.PRESENT else f"{k}={v}" for k, v in CHILD_LABELS.items())
+
+
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    """kopf's settings for this operator (invariant: child watches are filtered server-side).
+
+    A handler's `labels=` filter runs in the operator, after the API server has
+    streamed every Deployment, Service and ConfigMap of the watched namespaces;
+    kopf's `settings.watching.label_selectors` instead puts a labelSelector on
+    the list and watch requests of the matching resources, so only the
+    operator's own children cross the wire. The handlers keep `labels=` too: it
+    is what kopf matches handlers on, and it costs nothing once the stream is
+    filtered. The InferenceDeployment watch gets no selector (every one counts).
+    """
+    settings.posting.level = logging.WARNING
+    # Serve the resources that exist at startup; watching CRDs and
+    # namespaces for changes would need cluster-wide RBAC the operator
+    # otherwise has no use for. (The chart installs the CRD first.)
+    settings.scanning.disabled = True
+    settings.watching.server_timeout = 300
+    settings.networking.request_timeout = 60
+    for group, version, plural in CHILD_RESOURCES:
+        key = (group, version, plural) if group else (version, plural)
+        settings.watching.label_selectors[key] = child_label_selector()
+
+
 def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
-    children = {"app.kubernetes.io/managed-by": MANAGED_BY, OWNER_LABEL: kopf.PRESENT}
 
     @kopf.on.login(id="login", registry=registry)
     def login(**kwargs: object) -> kopf.ConnectionInfo | None:
@@ -122,13 +158,7 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(id="configure", registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: object) -> None:
-        settings.posting.level = logging.WARNING
-        # Serve the resources that exist at startup; watching CRDs and
-        # namespaces for changes would need cluster-wide RBAC the operator
-        # otherwise has no use for. (The chart installs the CRD first.)
-        settings.scanning.disabled = True
-        settings.watching.server_timeout = 300
-        settings.networking.request_timeout = 60
+        configure_settings(settings)
 
     @kopf.on.event(s.GROUP, s.VERSION, s.PLURAL, id="inference-deployment", registry=registry)
     def on_inference_deployment(event: dict, namespace: str, name: str, **_: object) -> None:
@@ -141,8 +171,9 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
         # a hand edit is reverted and a deleted child re-created.
         _run(reconciler, namespace, labels.get(OWNER_LABEL))
 
-    for resource in (("apps", "v1", "deployments"), ("v1", "services"), ("v1", "configmaps")):
-        kopf.on.event(*resource, id=f"child-{resource[-1]}", labels=children,
+    for group, version, plural in CHILD_RESOURCES:
+        resource = (group, version, plural) if group else (version, plural)
+        kopf.on.event(*resource, id=f"child-{plural}", labels=CHILD_LABELS,
                       registry=registry)(on_child)
     return registry
 
@@ -184,7 +215,9 @@ async def run_operator(opts: OperatorOptions) -> int:
         store = LeaseStore(_lease_namespace(opts), opts.lease_name)
         elector = LeaseElector(store, identity, opts.lease_duration_s,
                                opts.renew_deadline_s, opts.retry_period_s)
-    health = HealthState(identity, is_leader=lambda: elector is None or elector.is_leader)
+    metrics = OperatorMetrics()
+    health = HealthState(identity, is_leader=lambda: elector is None or elector.is_leader,
+                         metrics=metrics.exposition)
     server = None
     if opts.health_port is not None:
         server = await serve_health(health, opts.health_host, opts.health_port)
@@ -203,8 +236,8 @@ async def run_operator(opts: OperatorOptions) -> int:
             stop_flag=stop,
         ))
         others = [asyncio.create_task(_resync_forever(reconciler, opts)),
-                  asyncio.create_task(_autoscale_forever(production_autoscaler(reconciler, opts),
-                                                         opts))]
+                  asyncio.create_task(_autoscale_forever(
+                      production_autoscaler(reconciler, opts, metrics), opts))]
         hold = asyncio.create_task(elector.hold()) if elector is not None else None
         waiting = {kopf_task} | ({hold} if hold else set())
         done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
