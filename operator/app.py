@@ -57,6 +57,7 @@ def production_ops() -> KubeOps:
         deployments=kube.child_deployments,
         patch_status=kube.patch_status,
         apply_error=kube.ApplyError,
+        pods=kube.owner_pods,
     )
 
 

@@ -123,6 +123,20 @@ def child_deployments(namespace: str, owner_name: str, owner_uid: str) -> dict[s
     return out
 
 
+def owner_pods(namespace: str, owner_name: str) -> dict[str, list[dict]]:
+    """The owner's pods by component, as plain dicts (for status: crash loops)."""
+    api = api_client()
+    listing = client.CoreV1Api(api).list_namespaced_pod(
+        namespace, label_selector=f"{OWNER_LABEL}={owner_name}")
+    out: dict[str, list[dict]] = {}
+    for item in listing.items:
+        pod = api.sanitize_for_serialization(item)
+        component = pod["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+        if component:
+            out.setdefault(component, []).append(pod)
+    return out
+
+
 def patch_status(namespace: str, name: str, status: Mapping[str, Any]) -> None:
     try:
         client.CustomObjectsApi(api_client()).patch_namespaced_custom_object_status(

@@ -40,6 +40,8 @@ class KubeOps:
     deployments: Callable[[str, str, str], Mapping[str, Mapping[str, Any]]]
     patch_status: Callable[[str, str, Mapping[str, Any]], None]
     apply_error: type[Exception] = RuntimeError
+    # (ns, name) -> the owner's pods by component, for crash-loop detection; None: not read.
+    pods: Callable[[str, str], Mapping[str, list[Mapping[str, Any]]]] | None = None
 
 
 @dataclass
@@ -76,7 +78,8 @@ class Reconciler:
             error = "; ".join(failures)
         owner = Owner.from_object(obj)
         children = self.ops.deployments(namespace, name, owner.uid)
-        status = compute_status(obj, children, self.now(), error, reason)
+        pods = self.ops.pods(namespace, name) if self.ops.pods else None
+        status = compute_status(obj, children, self.now(), error, reason, pods)
         if status_changed(obj.get("status"), status):
             self.ops.patch_status(namespace, name, status)
         if error:

@@ -7,8 +7,14 @@ number of updated, ready pods. Conditions follow the Kubernetes conventions:
 - Ready:       True when every pool is ready.
 - Progressing: True while some pool is rolling out or scaling.
 - Degraded:    True when the operator cannot make progress on its own
-               (invalid spec, a failed apply, a missing child, a rollout past
-               its deadline, pods that cannot be created).
+               (invalid spec, a failed apply, a missing child, crash-looping
+               pods, a rollout past its deadline, pods that cannot be created).
+
+A crash-looping pool is Degraded from its pods' container statuses, as soon as
+a pass sees them (a pass runs at least every resync period), instead of after
+the Deployment's progressDeadlineSeconds (600 s): a container waiting in
+CrashLoopBackOff, or not ready after CRASH_RESTARTS restarts or more. A pod
+that restarted that often but serves again (ready) is not crash-looping.
 
 `lastTransitionTime` only moves when a condition's status changes, so
 recomputing an unchanged status yields an identical object and the operator
@@ -18,13 +24,40 @@ can skip the write.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from . import spec as s
 from .autoscaler import effective_replicas
 from .render import Owner, router_url
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+# Restarts of a container that is still not ready, from which its pod counts as crash-looping
+# even before the kubelet's back-off reports CrashLoopBackOff (it alternates with Running/Error).
+CRASH_RESTARTS = 3
+
+
+def crash_looping(pods: Iterable[Mapping[str, Any]], restarts: int = CRASH_RESTARTS) -> list[str]:
+    """One line per crash-looping container of `pods` (Pod objects as dicts), sorted.
+
+    E.g. "llm-decode-7d9f-abcde/engine: CrashLoopBackOff, 4 restarts, last exit 1 (Error)".
+    Terminating pods are skipped (their restarts no longer matter).
+    """
+    out = []
+    for pod in pods:
+        meta, st = pod.get("metadata") or {}, pod.get("status") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        for c in list(st.get("initContainerStatuses") or ()) + list(st.get("containerStatuses") or ()):
+            waiting = ((c.get("state") or {}).get("waiting") or {}).get("reason")
+            count = int(c.get("restartCount") or 0)
+            if waiting != "CrashLoopBackOff" and (count < restarts or c.get("ready")):
+                continue
+            last = (c.get("lastState") or {}).get("terminated") or {}
+            why = [waiting or "restarting", f"{count} restarts"]
+            if last:
+                why.append(f"last exit {last.get('exitCode')} ({last.get('reason') or 'unknown'})")
+            out.append(f"{meta.get('name')}/{c.get('name')}: {', '.join(why)}")
+    return sorted(out)
 
 
 @dataclass(frozen=True)
@@ -127,8 +160,9 @@ def compute_status(
     now: str,
     error: str | None = None,
     error_reason: str = "ApplyFailed",
+    pods: Mapping[str, Iterable[Mapping[str, Any]]] | None = None,
 ) -> dict[str, Any]:
-    """The full `.status` for `obj` given its Deployments by component.
+    """The full `.status` for `obj` given its Deployments (and, optionally, pods) by component.
 
     `error` is a failure of the operator's own (render or apply) step; it makes
     the object Degraded with `error_reason` and the message verbatim.
@@ -151,6 +185,8 @@ def compute_status(
     missing = [p.component for p in pools if not p.exists]
     stuck = [p.component for p in pools if p.deadline_exceeded]
     failing = [f"{p.component}: {p.replica_failure}" for p in pools if p.replica_failure]
+    crashing = [f"{c}: " + "; ".join(lines) for c in s.COMPONENTS
+                if (lines := crash_looping((pods or {}).get(c) or ()))]
 
     def summary(items: list[PoolState]) -> str:
         return "; ".join(f"{p.component} {p.ready}/{p.desired} ready" for p in items)
@@ -159,6 +195,8 @@ def compute_status(
         degraded = (True, error_reason, error)
     elif missing:
         degraded = (True, "ChildMissing", "missing Deployment for " + ", ".join(missing))
+    elif crashing:
+        degraded = (True, "CrashLoopBackOff", " | ".join(crashing))
     elif stuck:
         degraded = (True, "ProgressDeadlineExceeded", "rollout stuck for " + ", ".join(stuck))
     elif failing:
