@@ -317,6 +317,21 @@ def _fill_object_defaults(schema: dict[str, Any]) -> None:
         schema["default"] = _defaults_of(schema)
 
 
+# /scale drives the decode pool: it exists in every topology (it serves both phases when
+# prefill.replicas is 0) and it is the pool whose size generic external signals (running
+# requests, KV occupancy, accelerator use) track. A CRD has one scale subresource, so the
+# prefill pool is scaled through spec.prefill.replicas. The selector names the decode pods, for
+# an HPA's resource metrics and for KEDA. Ownership (docs/operator.md): with autoscaling off,
+# spec.decode.replicas is the pool's size and the operator applies it, so an external scaler
+# writing it through /scale is never reverted; with autoscaling on, the operator's autoscaler
+# owns the size and spec.decode.replicas is only the starting point.
+SCALE_SUBRESOURCE = {
+    "specReplicasPath": ".spec.decode.replicas",
+    "statusReplicasPath": ".status.components.decode.replicas",
+    "labelSelectorPath": ".status.scaleSelector",
+}
+
+
 def build_crd() -> dict[str, Any]:
     """The CRD manifest. Pure: same output on every call."""
     root = {
@@ -361,7 +376,7 @@ def build_crd() -> dict[str, Any]:
                     "name": s.VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": SCALE_SUBRESOURCE},
                     "additionalPrinterColumns": printer_columns(),
                     "schema": {"openAPIV3Schema": root},
                 }

@@ -102,6 +102,8 @@ def status_schema() -> dict[str, Any]:
                 "description": "metadata.generation this status describes.",
             },
             "routerURL": string("In-cluster URL of the router Service."),
+            "scaleSelector": string(
+                "Label selector of the decode pool's pods (the /scale subresource's selector)."),
             "components": obj(
                 "Per-pool replica counts.", {c: _component_status() for c in s.COMPONENTS}
             ),

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping
 
 from . import spec as s
 from .autoscaler import effective_replicas
-from .render import Owner, router_url
+from .render import Owner, router_url, selector_labels
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 # Restarts of a container that is still not ready, from which its pod counts as crash-looping
@@ -221,6 +221,8 @@ def compute_status(
         "observedGeneration": gen,
         # Only while a router pod can answer: a URL nothing serves misleads clients.
         "routerURL": router_url(owner) if router_ready(pools) else None,
+        # The /scale subresource's labelSelectorPath (crd.SCALE_SUBRESOURCE): the decode pods.
+        "scaleSelector": ",".join(f"{k}={v}" for k, v in selector_labels(owner, "decode").items()),
         "components": {
             p.component: {
                 "desiredReplicas": p.desired,

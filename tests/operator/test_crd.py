@@ -82,6 +82,37 @@ def test_cel_rules_only_reference_declared_fields():
 
 def test_status_subresource_and_printer_columns():
     version = build_crd()["spec"]["versions"][0]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"]["status"] == {}
     names = [c["name"] for c in version["additionalPrinterColumns"]]
     assert names == ["Model", "Prefill", "Decode", "Cache", "Router", "Ready", "Age"]
+
+
+def _schema_at(root: dict, path: str) -> dict:
+    node = root
+    for part in path.lstrip(".").split("."):
+        node = node["properties"][part]
+    return node
+
+
+def test_scale_subresource_maps_to_declared_decode_fields():
+    version = build_crd()["spec"]["versions"][0]
+    scale = version["subresources"]["scale"]
+    root = version["schema"]["openAPIV3Schema"]
+    assert scale["specReplicasPath"] == ".spec.decode.replicas"
+    assert _schema_at(root, scale["specReplicasPath"])["type"] == "integer"
+    assert _schema_at(root, scale["statusReplicasPath"])["type"] == "integer"
+    assert _schema_at(root, scale["labelSelectorPath"])["type"] == "string"
+
+
+def test_scale_selector_in_status_selects_the_decode_pods():
+    from kvmesh.operator.render import render_all
+    from kvmesh.operator.status import compute_status
+
+    cr = {"apiVersion": "serving.kvmesh.io/v1alpha1", "kind": "InferenceDeployment",
+          "metadata": {"name": "llm", "namespace": "ns", "uid": "u", "generation": 1},
+          "spec": copy.deepcopy(MINIMAL_SPEC)}
+    selector = compute_status(cr, {}, "2026-01-01T00:00:00Z")["scaleSelector"]
+    terms = dict(term.split("=") for term in selector.split(","))
+    decode = next(o for o in render_all(cr) if o["kind"] == "Deployment"
+                  and o["metadata"]["name"] == "llm-decode")
+    assert terms == decode["spec"]["selector"]["matchLabels"]
