@@ -191,3 +191,26 @@ def test_operator_runs_under_its_service_account(cluster, installed, crd_install
 def test_service_account_permissions_are_least_privilege(cluster, installed, verb, resource,
                                                          group, sub, allowed):
     assert _allowed(cluster, verb, resource, group, sub=sub) is allowed
+
+
+def test_namespace_scoped_install_grants_nothing_cluster_wide(cluster, helm_home):
+    """The least-privilege install: operator.watchNamespaces gives Roles in those namespaces only."""
+    objs = docs(cluster.helm("template", RELEASE, str(CHART), "-n", RELEASE_NS, "--set",
+                             "operator.watchNamespaces={team-a,team-b}", home=helm_home).stdout)
+    assert not [o for o in objs if o["kind"].startswith("Cluster")], kinds(objs)
+    roles = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in objs if o["kind"] == "Role"}
+    assert roles == {("team-a", RELEASE), ("team-b", RELEASE),
+                     (RELEASE_NS, f"{RELEASE}-leader-election")}
+    for binding in (o for o in objs if o["kind"] == "RoleBinding"):
+        assert binding["roleRef"]["kind"] == "Role"
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE,
+                                        "namespace": RELEASE_NS}]
+    # The same rules as the ClusterRole of the cluster-wide install, only namespaced.
+    cluster_wide = docs(cluster.helm("template", RELEASE, str(CHART), "-n", RELEASE_NS,
+                                     home=helm_home).stdout)
+    cluster_rules = next(o for o in cluster_wide if o["kind"] == "ClusterRole")["rules"]
+    assert next(o for o in objs if o["kind"] == "Role" and o["metadata"]["namespace"] == "team-a")[
+        "rules"] == cluster_rules
+    args = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
