@@ -131,3 +131,37 @@ def test_index_size_equals_the_engines_cached_blocks_after_evictions(fleet):
     total_index = sum(index_blocks(router).values())
     assert total_index == sum(sum(engine_blocks(e).values()) for e in engines)
     assert 0 < total_index <= 2 * 96
+
+
+def test_a_draining_engine_finishes_its_stream_and_the_router_stops_sending_to_it(fleet):
+    """Drain as the autoscaler does it (POST /admin/drain): the engine's in-flight stream runs to
+    its end, /ready turns 503, the router's probe takes the engine out, and new requests all go
+    to the other engine. Runs last in this module: the drained engine stays drained."""
+    engines, router = fleet
+    draining, other = engines
+    body = {"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
+    chunks = 0
+    with httpx.Client(timeout=300) as client, client.stream("POST", draining.url("/v1/completions"), json=body) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                chunks += 1
+                break
+        assert httpx.post(draining.url("/admin/drain"), timeout=10).status_code == 202
+        assert httpx.get(draining.url("/ready"), timeout=10).status_code == 503
+        finish = None
+        for line in lines:
+            if line.startswith("data: {"):
+                chunks += 1
+                finish = httpx.Response(200, content=line[6:]).json()["choices"][0]["finish_reason"] or finish
+    assert finish == "length" and chunks >= 2  # the admitted request was not cut
+    wait_for(lambda: parse_samples(httpx.get(router.url("/metrics"), timeout=10).text)
+             .get(("kvmesh_router_engines_healthy", frozenset())) == 1, what="the router to take the engine out")
+    before = routed_to(router, engines)
+    for i in range(4):
+        chat(router, SYSTEM, f"After the drain, question {i}?")
+    after = routed_to(router, engines)
+    assert after[draining.base_url] == before[draining.base_url]
+    assert after[other.base_url] == before[other.base_url] + 4
+    status = httpx.get(draining.url("/admin/drain"), timeout=10).json()
+    assert status["in_flight"] == 0, status
