@@ -4,7 +4,8 @@ up DIR:   build (or reuse) the pinned binaries, make the PKI, start etcd,
           kube-apiserver (TLS, RBAC), kube-controller-manager,
           kube-scheduler and kwok on 127.0.0.1 with free ports, write
           DIR/kubeconfig, create the fake GPU and CPU nodes, and return once
-          every node is Ready.
+          every node is Ready. With real_node, also one real kubelet node
+          (node_runtime.py: containerd, CNI bridge, cluster DNS).
 down DIR: stop every process `up` started (by recorded pid) and remove DIR.
 
 All state lives in DIR: certificates in DIR/pki, logs in DIR/logs, etcd data
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import nodes, procs
+from . import node_runtime, nodes, procs
 from .api import Api, ApiError, probe_http, probe_https
 from .pki import Pki, make_pki
 
@@ -47,15 +48,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def binary_dirs(build: bool) -> dict[str, Path]:
+DEFAULT_COMPONENTS = ("kubernetes", "etcd", "kwok", "helm")
+
+
+def binary_dirs(build: bool, components: tuple[str, ...] = DEFAULT_COMPONENTS) -> dict[str, Path]:
     """Component -> directory holding its binaries; builds missing ones first."""
     script = E2E_DIR / "build-binaries"
     if build:
-        result = subprocess.run([str(script)])
+        result = subprocess.run([str(script), *components])
         if result.returncode != 0:
             raise ClusterError(f"building the binaries failed (exit {result.returncode}); "
                                "see the output above")
-    out = subprocess.run([str(script), "--print-dirs"], capture_output=True, text=True,
+    out = subprocess.run([str(script), "--print-dirs", *components], capture_output=True, text=True,
                          check=True).stdout
     dirs = {k: Path(v) for k, v in (line.split("=", 1) for line in out.split())}
     missing = [k for k, d in dirs.items() if not (d / ".complete").exists()]
@@ -100,12 +104,14 @@ def write_kubeconfig(path: Path, server: str, pki: Pki) -> None:
 
 
 def up(state_dir: Path, gpu_nodes: int = 2, cpu_nodes: int = 2, build: bool = True,
-       timeout_s: float = 120) -> Path:
+       timeout_s: float = 120, real_node: bool = False) -> Path:
     started = time.monotonic()
     if (state_dir / "pids.json").exists():
         raise ClusterError(f"{state_dir} already holds a cluster; run `e2e/cluster down "
                            f"{state_dir}` first")
-    bins = binary_dirs(build)
+    if real_node:
+        node_runtime.check_prerequisites()
+    bins = binary_dirs(build, DEFAULT_COMPONENTS + (("kubelet",) if real_node else ()))
     k8s, logs = bins["kubernetes"], state_dir / "logs"
     state_dir.mkdir(parents=True, exist_ok=True)
     pki = make_pki(state_dir / "pki")
@@ -139,6 +145,10 @@ def up(state_dir: Path, gpu_nodes: int = 2, cpu_nodes: int = 2, build: bool = Tr
             f"--service-account-signing-key-file={pki.sa_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=RBAC", "--allow-privileged=true",
+            # logs, exec and port-forward reach the real node's kubelet on its IP.
+            f"--kubelet-client-certificate={pki.admin_crt}",
+            f"--kubelet-client-key={pki.admin_key}",
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
             "--profiling=false", "--v=1",
         ])
         api = Api(server, str(pki.ca_crt), str(pki.admin_crt), str(pki.admin_key))
@@ -184,6 +194,11 @@ def up(state_dir: Path, gpu_nodes: int = 2, cpu_nodes: int = 2, build: bool = Tr
         for n in nodes.cluster_nodes(gpu_nodes, cpu_nodes):
             api.create("/api/v1/nodes", n)
         names = [n["metadata"]["name"] for n in nodes.cluster_nodes(gpu_nodes, cpu_nodes)]
+        if real_node:
+            names.append(node_runtime.start(
+                state_dir, bins["kubelet"] / "kubelet", kubeconfig, pki.ca_crt, free_port,
+                _cache_dir(), lambda what, check, t, log_file: wait_for(
+                    what, check, t, log_file, state_dir)))
 
         def nodes_ready() -> bool:
             items = api.get("/api/v1/nodes").get("items", [])
@@ -199,6 +214,7 @@ def up(state_dir: Path, gpu_nodes: int = 2, cpu_nodes: int = 2, build: bool = Tr
                  60, logs / "kube-controller-manager.log", state_dir)
     except BaseException:
         log(f"start failed; stopping what was started (logs kept in {logs})")
+        node_runtime.stop(state_dir, api_from_state(state_dir))
         procs.stop_all(state_dir)
         raise
     log(f"cluster up in {time.monotonic() - started:.1f}s: export KUBECONFIG={kubeconfig}")
@@ -217,11 +233,29 @@ def down(state_dir: Path) -> None:
     if not state_dir.exists():
         log(f"{state_dir} does not exist; nothing to stop")
         return
+    node_runtime.stop(state_dir, api_from_state(state_dir))
     killed = procs.stop_all(state_dir)
     if killed:
         log(f"had to SIGKILL: {', '.join(killed)}")
     shutil.rmtree(state_dir, ignore_errors=True)
     log(f"cluster in {state_dir} stopped and removed")
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("KVMESH_CACHE_DIR")
+    return Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvmesh"
+
+
+def api_from_state(state_dir: Path) -> Api | None:
+    """An admin client for the cluster in DIR, or None before the API server was set up."""
+    try:
+        info = json.loads((state_dir / "cluster.json").read_text())
+    except (OSError, ValueError):
+        return None
+    pki = Pki(state_dir / "pki")
+    if not pki.admin_crt.exists():
+        return None
+    return Api(info["server"], str(pki.ca_crt), str(pki.admin_crt), str(pki.admin_key))
 
 
 def env_lines(state_dir: Path) -> list[str]:

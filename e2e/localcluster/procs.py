@@ -95,3 +95,12 @@ def stop_all(state_dir: Path, grace_s: float = 15.0) -> list[str]:
         except ChildProcessError:
             pass
     return killed
+
+
+def stop_named(state_dir: Path, names: set[str], grace_s: float = 15.0) -> list[str]:
+    """Stop the recorded processes called `names` (newest first); returns those SIGKILLed."""
+    killed = []
+    for record in reversed(_load(state_dir)):
+        if record["name"] in names and alive(record) and _stop_one(record, grace_s):
+            killed.append(record["name"])
+    return killed

@@ -123,6 +123,13 @@ def containerd_config(state: Path, pause_image: str, runc: str, cni_conf_dir: Pa
         ("ttrpc", {"address": state / "containerd.sock.ttrpc"}),
         (cri, {"sandbox_image": pause_image, "stream_server_address": "127.0.0.1",
                "stream_server_port": "0", "enable_selinux": False,
+               # Pod network namespaces under `state` too, not the shared /run/netns.
+               "netns_mounts_under_state_dir": True,
+               # The kubelet asks for oom_score_adj -998 for pod sandboxes; lowering it
+               # below 0 needs CAP_SYS_RESOURCE, which these VMs' bounding set lacks
+               # (runc init then dies: "can't get final child's PID from pipe").
+               # Clamp requests to containerd's own score instead.
+               "restrict_oom_score_adj": True,
                "max_container_log_line_size": 16384}),
         (f"{cri}.containerd", {"snapshotter": "overlayfs", "default_runtime_name": "runc"}),
         (f"{cri}.containerd.runtimes.runc", {"runtime_type": "io.containerd.runc.v2"}),
@@ -176,8 +183,9 @@ def kubelet_config(net: NodeNet, *, socket: Path, ca_file: Path, port: int, heal
         "serializeImagePulls": False,
         # The machine's disk is shared with builds and caches: evict only when it is
         # really full, and never garbage-collect the imported images.
-        "evictionHard": {"memory.available": "100Mi", "nodefs.available": "2%",
-                         "imagefs.available": "2%"},
+        "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1Gi",
+                         "imagefs.available": "1Gi"},
+        "evictionPressureTransitionPeriod": "10s",
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
         "nodeStatusUpdateFrequency": "5s",

@@ -50,7 +50,10 @@ def cluster(tmp_path_factory) -> Cluster:
         return
     state = tmp_path_factory.mktemp("cluster") / "state"
     started = time.monotonic()
-    result = subprocess.run([str(CLUSTER), "up", str(state)], text=True,
+    # KVMESH_E2E_REAL_NODE=1 adds one real kubelet node (root, scripts/setup-e2e-node) for
+    # the tests that run the kvmesh image (test_real_pods.py); they skip without it.
+    real = ["--real-node"] if os.environ.get("KVMESH_E2E_REAL_NODE") == "1" else []
+    result = subprocess.run([str(CLUSTER), "up", str(state), *real], text=True,
                             stdout=subprocess.PIPE, timeout=3600)
     if result.returncode != 0:
         pytest.fail(f"e2e/cluster up failed (exit {result.returncode}); see the output above "

@@ -53,6 +53,17 @@ class Cluster:
     local: bool  # started by the fixture (kwok nodes) rather than $KUBECONFIG
     api: client.ApiClient = field(init=False)
 
+    @property
+    def state_dir(self) -> Path:
+        """The local cluster's state directory (e2e/cluster up DIR)."""
+        return self.kubeconfig.parent
+
+    @property
+    def real_node(self) -> bool:
+        """The local cluster was started with a real kubelet node (--real-node)."""
+        info = self.state_dir / "cluster.json"
+        return self.local and info.exists() and bool(json.loads(info.read_text()).get("real_node"))
+
     def __post_init__(self) -> None:
         self.api = config.new_client_from_config(config_file=str(self.kubeconfig))
 
