@@ -167,3 +167,48 @@ def test_chunked_prefill_budget_not_multiple_of_block_size(loaded, prompts, hf_r
     ties += _compare(again, hf_reference)
     assert sum(r.num_cached_tokens for r in again) > 0
     print(f"chunked prefill (budget 23, block 16): near ties {ties}")
+
+
+def test_prefix_reloaded_from_the_host_tier(loaded, prompts, hf_reference):
+    """A pool that holds about one request: every prompt's blocks are evicted into the host tier by
+    the next ones, and the second pass loads them back (promotion) instead of recomputing."""
+    longest = max(len(p) for p in prompts) + MAX_NEW
+    llm = _engine(loaded, num_kv_blocks=-(-longest // 16) + 2, cpu_kv_bytes=256 << 20, max_num_seqs=1)
+    ties = _compare(llm.generate(prompts, _params()), hf_reference)
+    ties += _compare(llm.generate(prompts, _params()), hf_reference)
+    host = llm.engine.tiers.host.stats
+    assert host.hits > 0 and host.promotions > 0, host
+    llm.engine.check_integrity()
+    print(f"host tier: {host.hits} tokens reloaded, {host.promotions} promotions, near ties {ties}")
+
+
+def test_prefix_reloaded_from_a_cache_node(loaded, prompts, hf_reference):
+    """One engine computes the prompts and writes their blocks through to a cache node; a second engine
+    reloads them from it instead of recomputing."""
+    import time
+
+    from ..cachenode.test_node_process import NodeProc
+
+    node = NodeProc(memory="512MiB", events=False).start()
+    try:
+        address = f"127.0.0.1:{node.http_port}"
+        writer = _engine(loaded, cache_node=address, cache_node_timeout=30.0)
+        reader = _engine(loaded, cache_node=address, cache_node_timeout=30.0)
+        deadline = time.monotonic() + 60
+        while (writer.engine._cache_node.clients() is None or reader.engine._cache_node.clients() is None) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ties = _compare(writer.generate(prompts, _params()), hf_reference)
+        remote = writer.engine.tiers.remote
+        full = sum((len(p) + MAX_NEW - 1) // 16 for p in prompts)
+        while (remote.inflight_bytes or remote.snapshot_stats().stored < full // 2) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ties += _compare(reader.generate(prompts, _params()), hf_reference)
+        stats = reader.engine.tiers.remote.snapshot_stats()
+        assert stats.hits > 0 and stats.failures == 0, stats
+        reader.engine.check_integrity()
+        print(f"cache node: {stats.hits} tokens reloaded, near ties {ties}")
+        writer.engine.close()
+        reader.engine.close()
+    finally:
+        node.stop()
