@@ -53,13 +53,9 @@ def ctr(info: dict[str, Any], *args: str, **kw) -> subprocess.CompletedProcess:
     return _run("ctr", "--address", info["socket"], "--namespace", "k8s.io", *args, **kw)
 
 
-def import_image(state_dir: Path, archive: Path | None = None, data: bytes | None = None) -> None:
-    """`ctr images import` an image archive (a file, or bytes piped in)."""
-    info = load(state_dir)
-    if archive is not None:
-        ctr(info, "images", "import", "--no-unpack=false", str(archive))
-    else:
-        ctr(info, "images", "import", "-", input=data)
+def import_image(state_dir: Path, data: bytes) -> None:
+    """`ctr images import` an image archive piped in."""
+    ctr(load(state_dir), "images", "import", "-", input=data)
 
 
 def import_pause(state_dir: Path, cache_dir: Path) -> None:
