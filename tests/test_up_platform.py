@@ -59,7 +59,7 @@ def offline():
     return LLM(EngineConfig(model="default", dtype="float32"))
 
 
-def test_chat_through_the_router_matches_the_offline_engine_and_hits_the_prefix_cache(platform, offline) -> None:
+def test_chat_through_the_router_matches_the_offline_engine(platform, offline) -> None:
     _proc, url, _ = platform
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     tok = offline.engine.tokenizer
@@ -67,14 +67,23 @@ def test_chat_through_the_router_matches_the_offline_engine_and_hits_the_prefix_
         messages = [{"role": "user", "content": q}]
         want = offline.generate([tok.apply_chat_template(messages)],
                                 SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
-        first = client.chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS,
-                                               temperature=0)
-        again = client.chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS,
-                                               temperature=0)
-        assert first.choices[0].message.content == want.text
-        assert again.choices[0].message.content == want.text
-        # The router sent the repeat to the engine that cached the prompt.
-        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        got = client.chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS,
+                                             temperature=0)
+        assert got.choices[0].message.content == want.text
+
+
+def test_a_repeated_long_prompt_goes_to_the_engine_that_cached_it(platform) -> None:
+    """A prompt long enough that its cached blocks outweigh any load difference between the two
+    engines (the policy's score, docs/router.md) is routed back to the engine holding it."""
+    _proc, url, _ = platform
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    system = "You answer questions about a fleet of language model engines and their caches. " * 12
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What is a KV block?"}]
+    first = client.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=0)
+    time.sleep(1.0)  # the engine's KV events reach the router's index asynchronously
+    again = client.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens > 160
+    assert again.usage.prompt_tokens_details.cached_tokens >= 160
 
 
 def test_sigterm_stops_every_process_and_exits_zero(platform) -> None:
