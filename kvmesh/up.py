@@ -128,6 +128,16 @@ class Child:
             return "(no log)"
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when `up` dies, even by SIGKILL, so a
+    killed supervisor never leaves engines holding their ports (elsewhere: a no-op)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _start(spec: ProcSpec, run_dir: Path) -> Child:
     log_path = run_dir / f"{spec.name}.log"
     log = open(log_path, "wb")
@@ -135,7 +145,8 @@ def _start(spec: ProcSpec, run_dir: Path) -> Child:
     # cwd is the run directory: `python -m` puts the cwd on sys.path, and a checkout's root
     # would shadow the standard library's `operator` module.
     proc = subprocess.Popen([*kvmesh_argv(), *spec.args], cwd=run_dir, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                            stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent)
     log.close()
     return Child(spec, log_path, proc)
 

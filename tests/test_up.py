@@ -95,3 +95,38 @@ def test_a_child_that_dies_stops_up_with_its_last_log_lines(tmp_path: Path) -> N
     assert "does not exist" in text  # the child's own error line, from its log
     assert "starting router" not in text  # the router waits for its engines
     assert sys.executable  # children ran under this interpreter (kvmesh_argv)
+
+
+def test_children_die_with_a_killed_supervisor(tmp_path: Path) -> None:
+    """SIGKILL gives `up` no chance to stop its children: the kernel's parent-death signal does.
+
+    Real: `_start` as `up` uses it, a parent process killed with SIGKILL; the child is a sleeping
+    interpreter standing in for `kvmesh serve` (only its lifetime matters here)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = f"""
+import sys, time
+from pathlib import Path
+import kvmesh.up as up
+up.kvmesh_argv = lambda: [sys.executable, "-c", "import time; time.sleep(60)"]
+child = up._start(up.ProcSpec("sleeper", (), "http://127.0.0.1:1"), Path({str(tmp_path)!r}))
+print(child.proc.pid, flush=True)
+time.sleep(60)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    child = int(parent.stdout.readline())
+    os.kill(child, 0)  # running
+    parent.kill()
+    parent.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    raise AssertionError("the child outlived its killed supervisor")
