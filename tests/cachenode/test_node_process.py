@@ -28,6 +28,7 @@ from kvmesh.engine.transfer.errors import ConnectFailed, HeaderMismatch, PeerGon
 from kvmesh.engine.transfer.header import BlockHeader
 from kvmesh.engine.transfer.loop_thread import LoopThread
 
+from ..server.serverproc import free_port_pair
 from ..transfer.kvdata import blocks, layout
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,19 +44,6 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def free_port_pair() -> int:
-    """A port P with P+1 also free (the KV events replay socket)."""
-    for _ in range(50):
-        (p,) = free_ports(1)
-        try:
-            with socket.socket() as a:
-                a.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 class NodeProc:

@@ -5,31 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from kvmesh.engine.kv.event_wire import snapshot_to_json
+from tests.server.serverproc import free_port_pair  # noqa: F401  (re-exported for the KV tests)
 from kvmesh.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventLog
-
-
-def free_port_pair() -> int:
-    """A port P such that P and P + 1 are both free on 127.0.0.1 (the publisher needs both)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
 
 
 class SnapshotServer:

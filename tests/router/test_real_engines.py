@@ -7,36 +7,20 @@ process with the real tokenizer, subscribers, index and policy. Nothing is faked
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from kvmesh.engine.server.metrics_util import parse_samples, sample_value
-from tests.server.serverproc import ServerProcess, free_port
+from tests.server.serverproc import ServerProcess, free_port_pair
 
 pytestmark = pytest.mark.slow
 
 SYSTEM = ("You are a meticulous assistant for a company that builds routers for language model fleets. "
           "Answer precisely, cite the relevant block of the manual, and never invent configuration flags. ")
-
-
-def free_port_pair() -> int:
-    """A port P with P and P + 1 both free (KV events PUB and replay)."""
-    for _ in range(50):
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise RuntimeError("no free port pair")
 
 
 class RouterProcess(ServerProcess):

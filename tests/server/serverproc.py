@@ -24,6 +24,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A port P such that P and P + 1 are both free on 127.0.0.1 (KV events PUB and replay)."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
 class ServerProcess:
     """`python -m kvmesh.engine.server` with the given flags, logging to a file.
 
