@@ -40,7 +40,10 @@ class EngineConfig:
     there and loaded back on a prefix hit); 0 turns it off. cache_node: HOST:PORT of a
     cache node's HTTP port (or a headless Service in front of cache nodes): write-through
     of computed blocks and reload on admission; cache_node_timeout bounds each transfer
-    (past it the blocks are recomputed).
+    (past it the blocks are recomputed). kv_transfer_timeout: how long a prefill/decode
+    handoff may take (a decode engine's reservation waiting for its blocks, and again for the
+    router's claim; a prefill engine's held blocks waiting for confirmation) before its blocks
+    are freed.
     """
 
     model: str = "default"
@@ -64,6 +67,7 @@ class EngineConfig:
     cpu_kv_bytes: int = 0
     cache_node: str | None = None
     cache_node_timeout: float = 5.0
+    kv_transfer_timeout: float = 30.0
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -99,5 +103,7 @@ class EngineConfig:
             raise ConfigError("a host KV tier or a cache node needs prefix caching; enable it")
         if self.cache_node_timeout <= 0:
             raise ConfigError(f"cache_node_timeout must be > 0 seconds, got {self.cache_node_timeout}")
+        if self.kv_transfer_timeout <= 0:
+            raise ConfigError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout}")
         parse_dtype(self.dtype)
         return self

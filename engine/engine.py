@@ -15,12 +15,18 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvmesh.engine.config import ConfigError, EngineConfig
+from kvmesh.engine.disagg.decode_side import DecodeTransfers, Reservation
+from kvmesh.engine.disagg.errors import HandoffError
+from kvmesh.engine.disagg.gather import gather_blocks
+from kvmesh.engine.disagg.prefill_side import HeldBlocks, KVHandoff
 from kvmesh.engine.kv.block_hash import extra_key
 from kvmesh.engine.kv.events import KVEvent, KVEventLog
 from kvmesh.engine.kv.kv_manager import KVCacheManager
@@ -28,14 +34,16 @@ from kvmesh.engine.kv.tiers import KVTiers, TierSnapshot
 from kvmesh.engine.model.attention import AttentionBackend
 from kvmesh.engine.model.llama import LlamaModel
 from kvmesh.engine.model.loader import LoadedModel, load_model
-from kvmesh.engine.outputs import RequestMetrics, RequestOutput
+from kvmesh.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.stream import RequestStream
+from kvmesh.engine.transfer.protocol import FirstToken
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
+_TRANSFER_COMMANDS = frozenset({"reserve", "check_push", "fill", "cancel", "drop_owner", "release", "claim"})
 
 log = logging.getLogger("kvmesh.engine")
 
@@ -100,6 +108,12 @@ class EngineStats:
     kv_block_bytes: int = 0
     kv_evictions: int = 0
     tiers: tuple[TierSnapshot, ...] = ()
+    # Prefill/decode handoffs: transfers reserved on this (decode) engine, requests whose blocks
+    # this (prefill) engine holds for a decode engine, and the timeouts of both.
+    kv_transfers_reserved: int = 0
+    kv_transfer_blocks_reserved: int = 0
+    kv_handoffs_held: int = 0
+    kv_transfer_timeouts: int = 0
 
 
 def _pick_backend(cfg: EngineConfig, device: torch.device) -> str:
@@ -176,6 +190,12 @@ class LLMEngine:
             self.tiers, self._cache_node = build_tiers(cfg, self.kv, self.runner.kv_cache, self.events.publish)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, tiers=self.tiers)
+        self.transfers = DecodeTransfers(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout,
+                                         cfg.kv_transfer_timeout)
+        self.held = HeldBlocks(self.kv)
+        self.wake: Callable[[], None] | None = None
+        """Set by the thread that drives the engine: called when work arrives from another thread
+        (a transfer command), so an idle driver runs ``idle_tick`` without waiting for a request."""
         self.num_kv_blocks = num_blocks
         self._requests: dict[str, Request] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -238,8 +258,19 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
-        """Validate (see check_request) and enqueue; the request joins at the next step."""
+                    priority: int = 0, arrival_time: float | None = None, handoff_from: int | None = None,
+                    transfer_id: str | None = None, claimed: Future | None = None) -> None:
+        """Validate (see check_request) and enqueue; the request joins at the next step.
+
+        ``handoff_from`` (prefill role): stop after the first token and hand the KV of prompt
+        blocks from that index on to a decode engine (the final output carries a ``KVHandoff``;
+        call ``release_handoff`` once it was delivered). ``transfer_id`` (decode role): the
+        prompt's KV and first token arrived under that transfer; ``claimed`` resolves when the
+        engine took it over (or fails with ``UnknownTransfer``/``TransferMismatch``, and the
+        request ends with an "abort" output).
+        """
+        if handoff_from is not None and transfer_id is not None:
+            raise ValueError("a request is either handed off (prefill) or claimed from a transfer (decode)")
         ids = self.check_request(prompt_token_ids, params)
         gen = None
         if params.seed is not None and not params.greedy:
@@ -253,16 +284,79 @@ class LLMEngine:
             priority=priority,
             arrival_seq=next(self._arrival),
             generator=gen,
+            handoff_from=handoff_from,
         )
         req.stream = RequestStream(self.tokenizer, req.prompt_token_ids, params)
         with self._lock:
             if request_id in self._live_ids:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
             self._live_ids.add(request_id)
-        self._commands.put(("add", req))
+        if transfer_id is not None:
+            self._commands.put(("claim", (req, transfer_id, claimed)))
+        else:
+            self._commands.put(("add", req))
 
     def abort_request(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    # ---- prefill/decode handoffs (thread-safe; run at the next step or idle tick) --------------
+    def _command(self, kind: str, arg: object) -> None:
+        self._commands.put((kind, arg))
+        if self.wake is not None:
+            self.wake()
+
+    def reserve_transfer(self, transfer_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
+                         owner: object = None) -> Future:
+        """Decode role: reserve blocks for a transfer; the future gives a ``Reservation`` or
+        fails with ``NoRoom``/``TooLarge``/``TransferMismatch``."""
+        fut: Future = Future()
+        self._command("reserve", (transfer_id, list(prompt_token_ids), max_tokens, owner, fut))
+        return fut
+
+    def check_push(self, transfer_id: str, start: int, hashes: Sequence[bytes | None], final: bool) -> Future:
+        fut: Future = Future()
+        self._command("check_push", (transfer_id, start, list(hashes), final, fut))
+        return fut
+
+    def fill_transfer(self, transfer_id: str, start: int, data: torch.Tensor | None, final: bool,
+                      first: FirstToken | None) -> Future:
+        """Decode role: write pushed blocks (``[n, layers, 2, block_size, heads, dim]``) into the reservation."""
+        fut: Future = Future()
+        self._command("fill", (transfer_id, start, data, final, first, fut))
+        return fut
+
+    def cancel_transfer(self, transfer_id: str) -> None:
+        self._command("cancel", transfer_id)
+
+    def drop_transfer_owner(self, owner: object) -> None:
+        """Decode role: the connection ``owner`` closed; free its incomplete reservations."""
+        self._command("drop_owner", owner)
+
+    def release_handoff(self, request_id: str, consumer: str) -> None:
+        """Prefill role: ``consumer`` is done with the handed-off request's blocks."""
+        self._command("release", (request_id, consumer))
+
+    def has_pending_commands(self) -> bool:
+        return not self._commands.empty()
+
+    def has_timers(self) -> bool:
+        """Transfers or held blocks that expire unless something happens (an idle driver ticks)."""
+        return bool(len(self.transfers) or len(self.held))
+
+    def idle_tick(self) -> list[RequestOutput]:
+        """Run commands and expiries without a forward pass (a driver with no requests calls it)."""
+        outputs: list[RequestOutput] = []
+        self._drain_commands(outputs)
+        self._expire(time.monotonic())
+        return outputs
+
+    def _expire(self, now: float) -> None:
+        if len(self.transfers):
+            for t in self.transfers.expire(now):
+                log.warning("KV transfer %s expired on the decode side; its blocks were freed", t)
+        if len(self.held):
+            for rid in self.held.expire(now):
+                log.warning("handoff of %s was not confirmed in time; its blocks were freed", rid)
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -279,11 +373,98 @@ class LLMEngine:
                 self._requests[arg.request_id] = arg
                 self._prompt_tokens += arg.num_prompt_tokens
                 self.scheduler.add(arg)
+            elif kind in _TRANSFER_COMMANDS:
+                self._transfer_command(kind, arg, outputs)
             else:
                 req = self._requests.get(arg)
                 if req is not None and not req.is_finished:
                     self.scheduler.finish(req, "abort")
                     outputs.append(self._finish_output(req))
+
+    def _transfer_command(self, kind: str, arg: Any, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        if kind == "release":
+            self.held.release(*arg)
+        elif kind == "cancel":
+            self.transfers.cancel(arg)
+        elif kind == "drop_owner":
+            self.transfers.drop_owner(arg)
+        elif kind == "claim":
+            self._claim(*arg, outputs)
+        else:
+            fut: Future = arg[-1]
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                if kind == "reserve":
+                    result: Any = self.transfers.reserve(*arg[:-2], now, owner=arg[-2])
+                elif kind == "check_push":
+                    result = self.transfers.check_push(*arg[:-1])
+                else:
+                    result = self.transfers.fill(*arg[:-1], now)
+            except HandoffError as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+
+    def _claim(self, req: Request, transfer_id: str, claimed: Future | None, outputs: list[RequestOutput]) -> None:
+        """Start a request from a completed transfer: its KV and first token are here already."""
+        try:
+            r: Reservation = self.transfers.claim(transfer_id, req.prompt_token_ids, req.request_id)
+        except HandoffError as e:
+            if claimed is not None:
+                claimed.set_exception(e)
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "abort"
+            outputs.append(self._finish_output(req))
+            return
+        if claimed is not None:
+            claimed.set_result(r)
+        self._requests[req.request_id] = req
+        self._prompt_tokens += req.num_prompt_tokens
+        first = r.first
+        assert first is not None
+        if first.generator_state is not None and req.generator is not None:
+            req.generator.set_state(torch.frombuffer(bytearray(first.generator_state), dtype=torch.uint8))
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_cached_tokens = first.cached_tokens
+        req.append_token(first.token_id)
+        self._generation_tokens += 1
+        now = time.monotonic()
+        req.metrics.first_scheduled_time = req.metrics.first_token_time = req.metrics.last_token_time = now
+        lp = None
+        if req.params.logprobs is not None and first.logprob is not None:
+            lp = TokenLogprob(first.token_id, first.logprob, [tuple(t) for t in first.top_logprobs])
+        out = req.stream.on_token(req, first.token_id, lp, self.max_model_len)
+        outputs.append(out)
+        if out.finished:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = out.finish_reason
+            self.kv.free(req.request_id)
+            self._forget(req, now)
+        else:
+            self.scheduler.add_transferred(req)
+
+    def _handoff(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> RequestOutput:
+        """Prefill role: the first token is sampled; keep the blocks, gather what goes to decode."""
+        start = req.handoff_from or 0
+        n = req.num_prompt_tokens
+        bs = self.config.block_size
+        total = self.kv.num_blocks_for(n)
+        full = n // bs
+        chain = self.kv.extend_chain(req.request_id, req.prompt_token_ids, full)
+        hashes = [chain[i] if i < full else None for i in range(start, total)]
+        ids = self.kv.block_ids(req.request_id)[start:total]
+        data = gather_blocks(self.runner.kv_cache, ids) if ids else None
+        gen_state = bytes(req.generator.get_state().numpy().tobytes()) if req.generator is not None else None
+        first = FirstToken(token, lp.logprob if lp else None, list(lp.top) if lp else [], gen_state,
+                           max(0, req.num_cached_tokens))
+        self.scheduler.finish(req, "transfer", keep_kv=True)
+        self.held.hold(req.request_id, now + self.config.kv_transfer_timeout)
+        self._forget(req, now)
+        handoff = KVHandoff(req.request_id, start, hashes, data, first, n)
+        return RequestOutput(req.request_id, req.prompt_token_ids, [token], [token], "", "", True, "transfer",
+                             max(0, req.num_cached_tokens), [lp] if lp else None, req.metrics, handoff=handoff)
 
     def _forget(self, req: Request, now: float) -> None:
         req.metrics.finished_time = now
@@ -313,6 +494,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drain_commands(outputs)
+        if self.has_timers():
+            self._expire(time.monotonic())
         sched = self.scheduler.schedule()
         if self.tiers is not None:
             self.tiers.flush()  # lower-tier saves and loads land before the forward pass
@@ -330,7 +513,9 @@ class LLMEngine:
             return outputs + self._fail([s.request for s in sched.seqs], exc)
         full = self.scheduler.update_after_step(sched)
         if self.tiers is not None:
-            self.tiers.after_step(full)
+            saved = self.tiers.after_step(full)
+            if saved is not None:
+                self._track_handoff_saves(full, saved)
         if result is not None:
             now = time.monotonic()
             producing = [s.request for s in sched.seqs if s.produces_token]
@@ -341,6 +526,9 @@ class LLMEngine:
                 if m.first_token_time is None:
                     m.first_token_time = now
                 m.last_token_time = now
+                if req.handoff_from is not None:
+                    outputs.append(self._handoff(req, tok, lp, now))
+                    continue
                 try:
                     out = req.stream.on_token(req, tok, lp, self.max_model_len)
                 except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer error: this request only
@@ -354,9 +542,19 @@ class LLMEngine:
             self.check_integrity()
         return outputs
 
+    def _track_handoff_saves(self, segments: list, saved: Future) -> None:
+        """A handed-off request's blocks are released only after the cache node confirmed them too."""
+        rids = {seg.request_id for seg in segments
+                if (r := self._requests.get(seg.request_id)) is not None and r.handoff_from is not None}
+        for rid in rids:
+            name = f"cache-node:{id(saved)}"
+            self.held.add_consumer(rid, name)
+            saved.add_done_callback(lambda _f, rid=rid, name=name: self.release_handoff(rid, name))
+
     def check_integrity(self) -> None:
         """KV manager and lower-tier invariants (O(blocks); tests and debug runs)."""
         self.kv.check_integrity()
+        self.transfers.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity()
 
@@ -383,4 +581,8 @@ class LLMEngine:
             kv_block_bytes=self.config.block_size * self.model_config.kv_bytes_per_token(self.dtype.itemsize),
             kv_evictions=self._kv_evictions,
             tiers=tuple(self.tiers.snapshots()) if self.tiers is not None else (),
+            kv_transfers_reserved=len(self.transfers),
+            kv_transfer_blocks_reserved=self.transfers.reserved_blocks,
+            kv_handoffs_held=len(self.held),
+            kv_transfer_timeouts=self.transfers.expired + self.held.timeouts,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -35,7 +36,8 @@ class RequestOutput:
     step would make a long stream quadratic. When `finished` is True
     this is the request's last output and `finish_reason` is one of
     "stop" (EOS, stop token or stop string), "length" (max_tokens or the model
-    length), "abort", or "error" (the step failed for this request; `error` says why).
+    length), "abort", "error" (the step failed for this request; `error` says why),
+    or "transfer" (prefill role: the first token and the KV went to a decode engine; `handoff`).
     """
 
     request_id: str
@@ -52,6 +54,7 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token id or string that ended it
     num_output_tokens: int = -1  # -1: take len(output_token_ids)
     error: str | None = None  # set only with finish_reason "error"
+    handoff: Any = None  # prefill role: the KVHandoff of a request that finished with "transfer"
 
     def __post_init__(self) -> None:
         if self.num_output_tokens < 0:

@@ -42,6 +42,12 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
+    handoff_from: int | None = None
+    """Prefill role: after the first token, hand the KV of prompt blocks from this index on to a
+    decode engine (blocks are held, not freed) instead of generating further."""
+    transferred: bool = False
+    """Decode role: the prompt's KV arrived by transfer; it holds every block it will need and is
+    never chosen as a preemption victim."""
     # Engine-side streaming state (detokenizer, stop checker, emitted offsets).
     stream: Any = None
 

@@ -17,6 +17,11 @@ found in the host tier or on a cache node into freshly allocated blocks. A reque
 whose cache-node fetch is in flight is set aside (still waiting, out of the queue)
 and rejoins the queue, in its old place, once the fetch is done; the step never
 waits on the network.
+
+A transferred request (decode role: its prompt's KV arrived from a prefill engine, with every
+block it will need reserved) joins through ``add_transferred``: it is admitted before waiting
+requests, as one decode token, and never picked as a preemption victim while another running
+request can be.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class Scheduler:
         self.kv = kv
         self.tiers = tiers
         self._deferred: list[Request] = []  # waiting on a cache-node fetch, out of the heap
+        self._transferred: list[Request] = []  # KV received, blocks held: admitted first
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -103,17 +109,28 @@ class Scheduler:
         heapq.heappush(self._waiting, (*req.sort_key(), req))
         self._num_waiting += 1
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Remove a request (running or waiting) and free its KV blocks at once."""
+    def add_transferred(self, req: Request) -> None:
+        """A request whose KV arrived by transfer (it already holds all its blocks)."""
+        req.status = RequestStatus.WAITING
+        req.transferred = True
+        self._transferred.append(req)
+        self._num_waiting += 1
+
+    def finish(self, req: Request, reason: str, keep_kv: bool = False) -> None:
+        """Remove a request (running or waiting) and free its KV blocks at once (unless
+        ``keep_kv``: a prefill handoff keeps them until the decode side confirms)."""
         if req.status is RequestStatus.FINISHED:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         else:
             self._num_waiting -= 1  # lazily dropped from the heap when it surfaces
+            if req.transferred and req in self._transferred:
+                self._transferred.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        self.kv.free(req.request_id)
+        if not keep_kv:
+            self.kv.free(req.request_id)
         if self.tiers is not None:
             self.tiers.forget(req.request_id)
 
@@ -139,6 +156,15 @@ class Scheduler:
                 heapq.heappush(self._waiting, (*req.sort_key(), req))
         self._deferred = keep
 
+    def _pop_victim(self, req: Request) -> Request:
+        """The latest-sorted running request, skipping transferred ones while another (or
+        ``req`` itself) can go: a transferred request was admitted with all its blocks."""
+        for i in range(len(self.running) - 1, -1, -1):
+            cand = self.running[i]
+            if not cand.transferred or cand is req:
+                return self.running.pop(i)
+        return self.running.pop()
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
@@ -161,7 +187,7 @@ class Scheduler:
             preempted_self = False
             while self.kv.allocate_slots(req.request_id, req.all_token_ids, num_new,
                                          num_computed_tokens=req.num_computed_tokens) is None:
-                victim = self.running.pop()
+                victim = self._pop_victim(req)
                 victim.status = RequestStatus.WAITING
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -175,6 +201,18 @@ class Scheduler:
             i += 1
 
         if not out.preempted:
+            while self._transferred and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self._transferred.pop(0)
+                num_new = req.num_tokens - req.num_computed_tokens
+                if self.kv.allocate_slots(req.request_id, req.all_token_ids, num_new,
+                                          num_computed_tokens=req.num_computed_tokens) is None:
+                    self._transferred.insert(0, req)  # cannot happen with a full reservation; wait
+                    break
+                self._num_waiting -= 1
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled.append(ScheduledSeq(req, num_new, req.num_computed_tokens))
+                budget -= num_new
             while budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self._peek_waiting()
                 if req is None:

@@ -52,6 +52,7 @@ class CachedSegment:
     block_ids: list[int]
     block_hashes: list[BlockHash]
     parent_hash: BlockHash | None
+    request_id: str = ""
 
 
 @dataclass
@@ -203,7 +204,7 @@ class KVCacheManager:
         blocks, hashes = state.blocks[start:num_full], state.block_hashes[start:num_full]
         self.pool.cache_full_blocks(blocks, hashes, parent, token_ids[start * bs:num_full * bs])
         state.num_cached_blocks = num_full
-        return CachedSegment([b.block_id for b in blocks], list(hashes), parent)
+        return CachedSegment([b.block_id for b in blocks], list(hashes), parent, request_id)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (last block first) and forget it. Unknown ids are ignored.
@@ -211,6 +212,23 @@ class KVCacheManager:
         state = self.requests.pop(request_id, None)
         if state is not None and state.blocks:
             self.pool.free(reversed(state.blocks))
+
+    def rename(self, old_id: str, new_id: str) -> None:
+        """Move ``old_id``'s blocks and hashes to ``new_id`` (a transferred request gets its
+        engine id when it is claimed); the blocks keep their references."""
+        if new_id in self.requests:
+            raise ValueError(f"request {new_id!r} already holds KV state")
+        state = self.requests.pop(old_id, None)
+        if state is None:
+            raise KeyError(f"rename: unknown request {old_id!r}")
+        self.requests[new_id] = state
+
+    def extend_chain(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
+        """The request's chain hashes of its first ``num_blocks`` full blocks (computed as needed,
+        also without prefix caching: a KV transfer names its blocks by them)."""
+        state = self.requests.setdefault(request_id, RequestKV())
+        self._ensure_hashes(state, token_ids, num_blocks)
+        return state.block_hashes[:num_blocks]
 
     # ---------------------------------------------------------------- queries
     def block_ids(self, request_id: str) -> list[int]:

@@ -135,18 +135,21 @@ class RemoteTier:
 
     # ---- write-through ------------------------------------------------------------------------
     def save(self, kv_cache: torch.Tensor, block_ids: Sequence[int], hashes: Sequence[BlockHash],
-             parents: Sequence[BlockHash | None]) -> None:
-        """Write the listed (full, cached) primary blocks through to the node; never waits."""
+             parents: Sequence[BlockHash | None]) -> concurrent.futures.Future | None:
+        """Write the listed (full, cached) primary blocks through to the node; never waits.
+
+        Returns the put's future (done once the node confirmed or the put failed), or None when
+        the save was dropped at once."""
         n = len(block_ids)
         if not n:
-            return
+            return None
         size = n * self.layout.nbytes
         clients = self._clients()
         with self._lock:
             room = self._inflight_bytes + size <= self.max_inflight_bytes
             if clients is None or not room:
                 self.stats.dropped += n
-                return
+                return None
             self._inflight_bytes += size
         ids = torch.tensor(list(block_ids), dtype=torch.int64, device=kv_cache.device)
         # One gather: [n, layers, 2, block_size, heads, dim], each row one block's wire payload.
@@ -160,9 +163,10 @@ class RemoteTier:
                 self._inflight_bytes -= size
                 self.stats.dropped += n
             self._failed(e, count=False)
-            return
+            return None
         # `data` must outlive the put: the callback holds it until the future is done.
         fut.add_done_callback(lambda f, data=data: self._saved(f, n, size, data))
+        return fut
 
     def _saved(self, fut: concurrent.futures.Future, n: int, size: int, _data: Any) -> None:
         with self._lock:

@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -168,10 +169,12 @@ class KVTiers:
         target = torch.tensor(ids, dtype=torch.int64, device=dev)
         self.kv_cache.index_copy_(2, target, src.to(dev, non_blocking=True).movedim(0, 2))
 
-    def after_step(self, segments: Sequence[CachedSegment]) -> None:
-        """Write the blocks this step made full through to the cache node (asynchronously)."""
+    def after_step(self, segments: Sequence[CachedSegment]) -> concurrent.futures.Future | None:
+        """Write the blocks this step made full through to the cache node (asynchronously).
+
+        Returns the future of that write (one for all of the step's segments), or None."""
         if self.remote is None or not segments:
-            return
+            return None
         ids, hashes, parents = [], [], []
         for seg in segments:
             parent = seg.parent_hash
@@ -180,7 +183,7 @@ class KVTiers:
                 hashes.append(h)
                 parents.append(parent)
                 parent = h
-        self.remote.save(self.kv_cache, ids, hashes, parents)
+        return self.remote.save(self.kv_cache, ids, hashes, parents)
 
     # ---- reporting ----------------------------------------------------------------------------
     def snapshots(self) -> list[TierSnapshot]:

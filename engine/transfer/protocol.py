@@ -6,6 +6,14 @@ One connection carries one request at a time. The exchanges (C: client, S: serve
     lookup  C: Lookup(hashes)   S: LookupReply(length)
     get     C: Get(layout, hashes)  S: GetReply(batch)   S: payload of each block in batch
     stats   C: Stats()          S: StatsReply(stats)
+    reserve C: Reserve(id, layout, prompt, max_tokens)   S: Reserved(...) | ErrorReply(no_room|too_large)
+    push    C: PushKV(id, start, hashes, final, first)   S: PushReady()
+            C: payload of each block                     S: PushDone(num_blocks)
+    cancel  C: Cancel(id)       S: Cancelled()
+
+reserve/push/cancel are the prefill -> decode handoff (``engine.disagg``): the decode engine
+reserves every block the request will need before it accepts any bytes, and checks the pushed
+hashes against its own chain of the same prompt before it reads a payload.
 
 Any request may instead be answered with ``ErrorReply`` (then no payload follows). The two-phase
 put lets a server skip blocks it already holds or is receiving from another client: write-through
@@ -38,6 +46,11 @@ PUT_STATUSES = (STORED, EXISTS, TOO_LARGE, NO_ROOM)
 ERR_HEADER = "header_mismatch"
 ERR_BAD_REQUEST = "bad_request"
 ERR_INTERNAL = "internal"
+ERR_NO_ROOM = "no_room"
+"""A decode engine cannot hold the request now (retry elsewhere or later)."""
+ERR_TOO_LARGE = "too_large"
+"""A decode engine can never hold the request (its whole KV cache is too small)."""
+ERR_UNKNOWN_TRANSFER = "unknown_transfer"
 
 
 class Message(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -90,6 +103,62 @@ class ErrorReply(Message, tag="error"):
     got: str | None = None
 
 
+class FirstToken(msgspec.Struct, frozen=True, array_like=True):
+    """The token the prefill engine sampled from the prompt's last position, and what came with it.
+
+    ``generator_state`` is the request's own RNG state after that draw (seeded sampling only), so
+    the decode engine continues the exact random stream; ``cached_tokens`` are the prompt tokens
+    the prefill engine (and tiers below it) served from cache, reported in the usage.
+    """
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = []
+    generator_state: bytes | None = None
+    cached_tokens: int = 0
+
+
+class Reserve(Message, tag="reserve"):
+    transfer_id: str
+    layout: BlockLayout
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+class Reserved(Message, tag="reserved"):
+    hit_blocks: int
+    """Leading prompt blocks the decode engine already holds: the prefill side sends from here."""
+    num_blocks: int
+    """Blocks reserved for the whole request (prompt plus max_tokens)."""
+
+
+class PushKV(Message, tag="push"):
+    """Blocks ``[start, start + len(hashes))`` of the prompt; the tail block's hash is None when
+    partial. ``final`` closes the transfer and carries ``first``."""
+
+    transfer_id: str
+    start: int
+    hashes: list[bytes | None]
+    final: bool = False
+    first: FirstToken | None = None
+
+
+class PushReady(Message, tag="push_ready"):
+    pass
+
+
+class PushDone(Message, tag="push_done"):
+    num_blocks: int
+
+
+class Cancel(Message, tag="cancel"):
+    transfer_id: str
+
+
+class Cancelled(Message, tag="cancelled"):
+    pass
+
+
 class Hello(Message, tag="hello"):
     """First message on a connection, both ways: protocol version check before any request."""
 
@@ -97,7 +166,8 @@ class Hello(Message, tag="hello"):
     role: str = ""
 
 
-AnyMessage = PutOffer | PutWant | PutDone | Lookup | LookupReply | Get | GetReply | Stats | StatsReply | ErrorReply | Hello
+AnyMessage = (PutOffer | PutWant | PutDone | Lookup | LookupReply | Get | GetReply | Stats | StatsReply | ErrorReply
+              | Hello | Reserve | Reserved | PushKV | PushReady | PushDone | Cancel | Cancelled)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

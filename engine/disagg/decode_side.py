@@ -1,0 +1,200 @@
+"""A decode engine's side of KV handoffs: reserve, fill, claim, expire. Step thread only.
+
+Life of a transfer ``T``::
+
+    reserve(T, prompt, max_tokens)   blocks for prompt + max_tokens taken now (or NoRoom/TooLarge);
+                                     leading prompt blocks this engine already caches are reused
+    fill(T, start, data, ...)        pushed blocks land in the reserved blocks, in order
+    fill(..., final=True, first)     the last one carries the first token; full prompt blocks join
+                                     this engine's prefix cache
+    claim(T, prompt, request_id)     the HTTP request arrives: its KV state is renamed to the
+                                     request, which starts decoding without any prefill
+
+Invariants: a reservation holds every block its request can ever need, so a claimed request
+never allocates again and is never the reason for a preemption; the KV manager keys a reserved
+transfer as ``transfer_key(T)`` (never a request id) until it is claimed; every reservation is
+freed exactly once: by ``claim`` (ownership moves to the request), ``cancel``, ``drop_owner``
+(its connection went away before the final push) or ``expire`` (no final push within the
+transfer timeout, or no claim within the claim timeout after it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.block_hash import BlockHash
+from ..kv.kv_manager import KVCacheManager
+from ..transfer.protocol import FirstToken
+from .errors import NoRoom, TooLarge, TransferMismatch, UnknownTransfer
+from .gather import scatter_blocks
+
+
+def transfer_key(transfer_id: str) -> str:
+    """The KV manager's key for a reserved, unclaimed transfer (a namespace request ids never use)."""
+    return f"kv-transfer:{transfer_id}"
+
+
+@dataclass
+class Reservation:
+    transfer_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    hit_blocks: int
+    num_blocks: int
+    deadline: float
+    owner: object = None
+    """The connection that reserved it; when that connection drops before the final push, the
+    prefill side is gone and the reservation is freed at once."""
+    next_block: int = 0
+    first: FirstToken | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.first is not None
+
+
+class DecodeTransfers:
+    def __init__(self, kv: KVCacheManager, kv_cache: torch.Tensor, transfer_timeout_s: float = 30.0,
+                 claim_timeout_s: float = 30.0) -> None:
+        self.kv = kv
+        self.kv_cache = kv_cache
+        self.transfer_timeout_s = transfer_timeout_s
+        self.claim_timeout_s = claim_timeout_s
+        self._res: dict[str, Reservation] = {}
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._res)
+
+    @property
+    def reserved_blocks(self) -> int:
+        return sum(r.num_blocks for r in self._res.values())
+
+    def prompt_blocks(self, r: Reservation) -> int:
+        return self.kv.num_blocks_for(len(r.prompt_token_ids))
+
+    # ---- reserve ------------------------------------------------------------------------------
+    def reserve(self, transfer_id: str, prompt_token_ids: Sequence[int], max_tokens: int, now: float,
+                owner: object = None) -> Reservation:
+        if transfer_id in self._res:
+            raise TransferMismatch(f"transfer {transfer_id!r} is already reserved")
+        ids = list(prompt_token_ids)
+        if not ids or max_tokens < 1:
+            raise TransferMismatch("a transfer needs a non-empty prompt and max_tokens >= 1")
+        # KV exists for prompt + max_tokens - 1 tokens at most (the last sampled token is never fed back).
+        total = len(ids) + max_tokens - 1
+        need = self.kv.num_blocks_for(total)
+        if need > self.kv.num_total_blocks:
+            raise TooLarge(f"the request needs {need} KV blocks ({len(ids)} prompt tokens + max_tokens="
+                           f"{max_tokens}); this decode engine has {self.kv.num_total_blocks} in all")
+        key = transfer_key(transfer_id)
+        hits, num_hit = self.kv.get_computed_blocks(key, ids)
+        blocks = self.kv.allocate_slots(key, ids, total - num_hit, hits, num_hit)
+        if blocks is None:
+            self.kv.free(key)
+            raise NoRoom(f"{need - len(hits)} free KV blocks needed, {self.kv.num_free_blocks} free "
+                         f"({len(self._res)} transfers reserved)")
+        self.kv.record_prefix_lookup(len(ids), num_hit)
+        r = Reservation(transfer_id, ids, max_tokens, len(hits), need, now + self.transfer_timeout_s, owner,
+                        next_block=len(hits))
+        self._res[transfer_id] = r
+        return r
+
+    # ---- fill ---------------------------------------------------------------------------------
+    def expected_hashes(self, transfer_id: str, start: int, count: int) -> list[BlockHash | None]:
+        """The chain hashes this engine computes for prompt blocks ``[start, start + count)``
+        (None for a partial tail block): what a push must announce."""
+        r = self._get(transfer_id)
+        n = len(r.prompt_token_ids)
+        full = n // self.kv.block_size
+        chain = self.kv.extend_chain(transfer_key(transfer_id), r.prompt_token_ids, min(full, start + count))
+        return [chain[i] if i < full else None for i in range(start, start + count)]
+
+    def check_push(self, transfer_id: str, start: int, hashes: Sequence[BlockHash | None], final: bool) -> Reservation:
+        """Raise unless a push of ``hashes`` at ``start`` is the next part of ``transfer_id``."""
+        r = self._get(transfer_id)
+        if r.complete:
+            raise TransferMismatch(f"transfer {transfer_id!r} is already complete")
+        if start != r.next_block:
+            raise TransferMismatch(f"transfer {transfer_id!r}: push starts at block {start}, expected {r.next_block}")
+        end = start + len(hashes)
+        total = self.prompt_blocks(r)
+        if end > total or (final and end != total):
+            raise TransferMismatch(f"transfer {transfer_id!r}: push covers blocks [{start}, {end}) of a "
+                                   f"{total}-block prompt{' (final)' if final else ''}")
+        want = self.expected_hashes(transfer_id, start, len(hashes))
+        for i, (w, h) in enumerate(zip(want, hashes)):
+            if w != h:
+                raise TransferMismatch(f"transfer {transfer_id!r}: block {start + i} hash differs from this "
+                                       "engine's chain of the same prompt (another model, dtype or tokenizer?)")
+        return r
+
+    def fill(self, transfer_id: str, start: int, data: torch.Tensor | None, final: bool,
+             first: FirstToken | None, now: float) -> None:
+        """Write pushed blocks (already checked by ``check_push``) into the reserved blocks."""
+        r = self._get(transfer_id)
+        n = 0 if data is None else data.shape[0]
+        if start != r.next_block:
+            raise TransferMismatch(f"transfer {transfer_id!r}: fill at block {start}, expected {r.next_block}")
+        key = transfer_key(transfer_id)
+        if n:
+            scatter_blocks(self.kv_cache, self.kv.block_ids(key)[start:start + n], data)
+        r.next_block = start + n
+        if final:
+            if first is None or r.next_block != self.prompt_blocks(r):
+                raise TransferMismatch(f"transfer {transfer_id!r}: final push without the first token or blocks")
+            r.first = first
+            self.kv.cache_blocks(key, r.prompt_token_ids, len(r.prompt_token_ids))
+            r.deadline = now + self.claim_timeout_s
+
+    # ---- claim / cancel / expire ----------------------------------------------------------------
+    def claim(self, transfer_id: str, prompt_token_ids: Sequence[int], request_id: str) -> Reservation:
+        """Hand a complete transfer's KV to ``request_id``; raises UnknownTransfer/TransferMismatch."""
+        r = self._res.get(transfer_id)
+        if r is None or not r.complete:
+            raise UnknownTransfer(f"no completed KV transfer {transfer_id!r} on this engine (expired, "
+                                  "cancelled or never finished)")
+        if list(prompt_token_ids) != r.prompt_token_ids:
+            raise TransferMismatch(f"transfer {transfer_id!r} carries another prompt "
+                                   f"({len(r.prompt_token_ids)} tokens) than this request ({len(prompt_token_ids)})")
+        del self._res[transfer_id]
+        self.kv.rename(transfer_key(transfer_id), request_id)
+        return r
+
+    def cancel(self, transfer_id: str) -> bool:
+        r = self._res.pop(transfer_id, None)
+        if r is not None:
+            self.kv.free(transfer_key(transfer_id))
+        return r is not None
+
+    def drop_owner(self, owner: object) -> list[str]:
+        """Free the incomplete reservations ``owner`` made (its connection closed)."""
+        gone = [t for t, r in self._res.items() if r.owner is owner and not r.complete]
+        for t in gone:
+            self.cancel(t)
+        return gone
+
+    def expire(self, now: float) -> list[str]:
+        gone = [t for t, r in self._res.items() if r.deadline <= now]
+        for t in gone:
+            self.cancel(t)
+        self.expired += len(gone)
+        return gone
+
+    def next_deadline(self) -> float | None:
+        return min((r.deadline for r in self._res.values()), default=None)
+
+    def _get(self, transfer_id: str) -> Reservation:
+        r = self._res.get(transfer_id)
+        if r is None:
+            raise UnknownTransfer(f"no reservation {transfer_id!r} on this engine (expired or cancelled)")
+        return r
+
+    def check_integrity(self) -> None:
+        for t, r in self._res.items():
+            held = len(self.kv.block_ids(transfer_key(t)))
+            if held != r.num_blocks:
+                raise AssertionError(f"transfer {t!r} reserved {r.num_blocks} blocks but holds {held}")

@@ -1,0 +1,26 @@
+"""Block data between the paged KV cache and the wire: one gather out, one scatter in.
+
+``kv_cache`` is ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``. A block on the wire
+is ``[layers, 2, block_size, kv_heads, head_dim]`` contiguous, which is exactly the buffer order
+``transfer.header.kv_layout`` names (``k.0, v.0, k.1, ...``), so the same bytes serve the cache
+node and the decode engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    """``[n, layers, 2, block_size, heads, dim]`` contiguous host copy of the listed blocks."""
+    ids = torch.tensor(list(block_ids), dtype=torch.int64, device=kv_cache.device)
+    return kv_cache.index_select(2, ids).movedim(2, 0).contiguous().cpu()
+
+
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int], data: torch.Tensor) -> None:
+    """Write ``data`` (as ``gather_blocks`` returns it) into the listed blocks."""
+    dev = kv_cache.device
+    ids = torch.tensor(list(block_ids), dtype=torch.int64, device=dev)
+    kv_cache.index_copy_(2, ids, data.to(dev, non_blocking=True).movedim(0, 2))

@@ -1,0 +1,190 @@
+"""Prefill -> decode handoff between two real engines in one process, without the network.
+
+Real: both engines (a tiny random Llama, fp32), their KV managers, the handoff state on each side
+and the bytes moved (gathered on prefill, scattered on decode). Not here: the UCX link and the
+HTTP servers (tests/disagg/test_disagg_servers.py). The reference is transformers' unpaged
+greedy forward, so a wrong block, offset or first token shows up as a token difference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.engine.disagg.decode_side import transfer_key
+from kvmesh.engine.disagg.errors import NoRoom, TooLarge, TransferMismatch, UnknownTransfer
+from kvmesh.engine.disagg.prefill_side import DECODE
+from kvmesh.engine.sampling import SamplingParams
+
+from ..engine.test_host_tier import BS, MAX_NEW, PROMPTS, hf_greedy, loaded, model_dir, tiny_engine  # noqa: F401
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):  # noqa: F811
+    return hf_greedy(model_dir, PROMPTS)
+
+
+def _greedy(max_tokens: int = MAX_NEW) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _run_until(engine, pred, limit: int = 500):
+    outs = []
+    for _ in range(limit):
+        outs += engine.step() if engine.has_unfinished_requests() else engine.idle_tick()
+        if pred(outs):
+            return outs
+    raise AssertionError("engine did not get there")
+
+
+def prefill(p, rid: str, prompt: list[int], params: SamplingParams, start: int):
+    p.add_request(rid, prompt, params, handoff_from=start)
+    outs = _run_until(p, lambda o: any(x.request_id == rid and x.finished for x in o))
+    out = [x for x in outs if x.request_id == rid][-1]
+    assert out.finish_reason == "transfer", out
+    return out.handoff
+
+
+def decode(d, tid: str, rid: str, prompt: list[int], params: SamplingParams, handoff):
+    d.check_push(tid, handoff.start, handoff.hashes, True)
+    d.idle_tick()
+    fut = d.fill_transfer(tid, handoff.start, handoff.data, True, handoff.first)
+    d.idle_tick()
+    fut.result(0)
+    from concurrent.futures import Future
+
+    claimed: Future = Future()
+    d.add_request(rid, prompt, params, transfer_id=tid, claimed=claimed)
+    outs = _run_until(d, lambda o: any(x.request_id == rid and x.finished for x in o))
+    assert claimed.done() and claimed.exception() is None
+    return [t for x in outs if x.request_id == rid for t in x.new_token_ids]
+
+
+def handoff_once(p, d, i: int, prompt, params, tid=None):
+    tid = tid or f"t{i}"
+    fut = d.reserve_transfer(tid, prompt, params.max_tokens)
+    d.idle_tick()
+    res = fut.result(0)
+    h = prefill(p, f"p{i}", prompt, params, res.hit_blocks)
+    toks = decode(d, tid, f"d{i}", prompt, params, h)
+    p.release_handoff(f"p{i}", DECODE)
+    p.idle_tick()
+    return res, h, toks
+
+
+def test_disaggregated_greedy_equals_transformers(model_dir, loaded, reference):  # noqa: F811
+    p = tiny_engine(model_dir, loaded, num_kv_blocks=64, max_num_batched_tokens=16).engine  # chunked prefill
+    d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    for i, prompt in enumerate(PROMPTS):
+        res, h, toks = handoff_once(p, d, i, prompt, _greedy())
+        assert toks == reference[i], f"prompt {i}"
+        # PROMPTS share a 40-token prefix: from the second on, decode already caches 10 blocks
+        # and prefill sends only the rest (prefill too serves them from its own cache).
+        if i:
+            assert res.hit_blocks == 10 and h.start == 10 and h.first.cached_tokens == 40
+    for e in (p, d):
+        e.check_integrity()
+        assert not e.kv.requests, e.kv.requests  # nothing held, nothing reserved
+        assert len(e.held) == 0 and len(e.transfers) == 0
+
+
+def test_prefill_holds_blocks_until_decode_confirms(model_dir, loaded):  # noqa: F811
+    p = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    h = prefill(p, "r", PROMPTS[0], _greedy(), 0)
+    ids = p.kv.block_ids("r")
+    assert len(ids) == -(-len(PROMPTS[0]) // BS) and all(p.kv.pool.blocks[i].ref_cnt == 1 for i in ids)
+    p.idle_tick()
+    p.check_integrity()
+    assert "r" in p.held and h.data.shape[0] == len(ids)
+    p.release_handoff("r", "someone-else")  # unknown consumers change nothing
+    p.idle_tick()
+    assert p.kv.block_ids("r") == ids
+    p.release_handoff("r", DECODE)
+    p.idle_tick()
+    assert "r" not in p.held and not p.kv.requests
+    p.check_integrity()
+
+
+def test_held_blocks_and_reservations_expire(model_dir, loaded, monkeypatch):  # noqa: F811
+    p = tiny_engine(model_dir, loaded, num_kv_blocks=64, kv_transfer_timeout=0.05).engine
+    d = tiny_engine(model_dir, loaded, num_kv_blocks=64, kv_transfer_timeout=0.05).engine
+    prefill(p, "r", PROMPTS[0], _greedy(), 0)
+    d.reserve_transfer("t", PROMPTS[0], MAX_NEW)
+    d.idle_tick()
+    assert d.kv.block_ids(transfer_key("t"))
+    import time
+
+    time.sleep(0.1)
+    p.idle_tick()
+    d.idle_tick()
+    assert not p.kv.requests and not d.kv.requests
+    assert p.stats().kv_transfer_timeouts == 1 and d.stats().kv_transfer_timeouts == 1
+    p.check_integrity()
+    d.check_integrity()
+
+
+def test_decode_refuses_what_it_cannot_hold(model_dir, loaded):  # noqa: F811
+    d = tiny_engine(model_dir, loaded, num_kv_blocks=16).engine
+    big = d.reserve_transfer("big", PROMPTS[0], 64 * BS)
+    d.idle_tick()
+    with pytest.raises(TooLarge):
+        big.result(0)
+    first = d.reserve_transfer("a", PROMPTS[0], 8)  # 45 + 7 tokens: 13 of 16 blocks
+    second = d.reserve_transfer("b", PROMPTS[1], 8)
+    d.idle_tick()
+    assert first.result(0).num_blocks == 13
+    with pytest.raises(NoRoom):
+        second.result(0)
+    d.check_integrity()
+    d.cancel_transfer("a")
+    d.idle_tick()
+    assert d.kv.num_free_blocks == 16 and not d.kv.requests
+
+
+def test_decode_checks_pushes_and_claims(model_dir, loaded):  # noqa: F811
+    p = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    d.reserve_transfer("t", PROMPTS[0], MAX_NEW)
+    d.idle_tick()
+    h = prefill(p, "r", PROMPTS[0], _greedy(), 0)
+    bad = list(h.hashes)
+    bad[3] = b"\0" * 32
+    for args in ((h.start, bad, True), (h.start + 1, h.hashes[1:], True), (h.start, h.hashes[:-1], True)):
+        f = d.check_push("t", *args)
+        d.idle_tick()
+        with pytest.raises(TransferMismatch):
+            f.result(0)
+    from concurrent.futures import Future
+
+    early: Future = Future()
+    d.add_request("x", PROMPTS[0], _greedy(), transfer_id="t", claimed=early)  # not complete yet
+    outs = d.idle_tick()
+    with pytest.raises(UnknownTransfer):
+        early.result(0)
+    assert [o.finish_reason for o in outs] == ["abort"]
+    d.fill_transfer("t", h.start, h.data, True, h.first)
+    d.idle_tick()
+    other: Future = Future()
+    d.add_request("y", PROMPTS[1], _greedy(), transfer_id="t", claimed=other)
+    d.idle_tick()
+    with pytest.raises(TransferMismatch):
+        other.result(0)
+    d.drop_transfer_owner(None)  # complete transfers survive their connection
+    d.idle_tick()
+    assert len(d.transfers) == 1
+    d.cancel_transfer("t")
+    d.idle_tick()
+    assert not d.kv.requests
+    d.check_integrity()
+
+
+def test_seeded_sampling_continues_the_same_random_stream(model_dir, loaded):  # noqa: F811
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, seed=1234, ignore_eos=True)
+    colocated = tiny_engine(model_dir, loaded, num_kv_blocks=64)
+    want = colocated.generate([PROMPTS[2]], params)[0].token_ids
+    p = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    _, _, toks = handoff_once(p, d, 0, PROMPTS[2], params)
+    assert toks == want
