@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..transfer.header import BlockLayout, kv_layout
+
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
     """``[n, layers, 2, block_size, heads, dim]`` contiguous host copy of the listed blocks."""
@@ -24,3 +26,15 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int], data: torch
     dev = kv_cache.device
     ids = torch.tensor(list(block_ids), dtype=torch.int64, device=dev)
     kv_cache.index_copy_(2, ids, data.to(dev, non_blocking=True).movedim(0, 2))
+
+
+def block_shape(kv_cache: torch.Tensor) -> tuple[int, ...]:
+    """One block's shape on the wire: ``(layers, 2, block_size, heads, dim)``."""
+    layers, _, _, bs, heads, dim = kv_cache.shape
+    return (layers, 2, bs, heads, dim)
+
+
+def cache_layout(extra: bytes, kv_cache: torch.Tensor) -> BlockLayout:
+    """The wire layout of this KV cache's blocks (what a receiver checks before it takes any)."""
+    layers, _, _, bs, heads, dim = kv_cache.shape
+    return kv_layout(extra, str(kv_cache.dtype).removeprefix("torch."), bs, layers, heads, dim)

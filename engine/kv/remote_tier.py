@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..disagg.gather import gather_blocks
 from ..transfer.buffers import KVBlock as WireBlock
 from ..transfer.buffers import as_bytes
 from ..transfer.errors import HeaderMismatch, TransferError
@@ -151,9 +152,8 @@ class RemoteTier:
                 self.stats.dropped += n
                 return None
             self._inflight_bytes += size
-        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=kv_cache.device)
         # One gather: [n, layers, 2, block_size, heads, dim], each row one block's wire payload.
-        data = kv_cache.index_select(2, ids).movedim(2, 0).contiguous().cpu()
+        data = gather_blocks(kv_cache, block_ids)
         flat = as_bytes(data).reshape(n, -1)
         blocks = [WireBlock(BlockHeader(self.layout, h, p), flat[i]) for i, (h, p) in enumerate(zip(hashes, parents))]
         try:

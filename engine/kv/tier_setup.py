@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, EngineConfig
-from ..transfer.header import kv_layout
+from ..disagg.gather import block_shape, cache_layout
 from .events import KVEventHandler
 from .host_tier import HostTier
 from .kv_manager import KVCacheManager
@@ -20,21 +20,20 @@ def build_tiers(cfg: EngineConfig, kv: KVCacheManager, kv_cache: torch.Tensor,
     """(tiers, cache-node link or None). ``kv_cache`` is [layers, 2, blocks, block_size, heads, dim]."""
     if not kv.enable_caching:
         raise ConfigError("--cpu-kv-bytes and --cache-node need prefix caching (drop --no-prefix-caching)")
-    layers, _, _, bs, heads, dim = kv_cache.shape
-    block_shape = (layers, 2, bs, heads, dim)
+    shape = block_shape(kv_cache)
+    bs = shape[2]
     host = None
     if cfg.cpu_kv_bytes:
         block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
         slots = cfg.cpu_kv_bytes // block_bytes
         if slots < 1:
             raise ConfigError(f"--cpu-kv-bytes {cfg.cpu_kv_bytes} holds no KV block of {block_bytes} bytes")
-        host = HostTier(slots, block_shape, kv_cache.dtype, kv_cache.device, bs, on_event)
+        host = HostTier(slots, shape, kv_cache.dtype, kv_cache.device, bs, on_event)
     remote, link = None, None
     if cfg.cache_node:
         from .node_link import CacheNodeLink
 
         link = CacheNodeLink(cfg.cache_node, timeout=cfg.cache_node_timeout)
-        layout = kv_layout(kv.extra, str(kv_cache.dtype).removeprefix("torch."), bs, layers, heads, dim)
-        remote = RemoteTier(link.clients, layout, block_shape, kv_cache.dtype, timeout=cfg.cache_node_timeout,
-                            on_failure=link.on_failure)
+        remote = RemoteTier(link.clients, cache_layout(kv.extra, kv_cache), shape, kv_cache.dtype,
+                            timeout=cfg.cache_node_timeout, on_failure=link.on_failure)
     return KVTiers(kv, kv_cache, host, remote), link

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..disagg.gather import scatter_blocks
 from .block_pool import KVBlock, KVIntegrityError
 from .events import TIER_CPU, TIER_GPU, TIER_REMOTE, AllBlocksCleared, BlockStored, KVEvent
 from .host_tier import HostTier, TierStats
@@ -164,10 +165,7 @@ class KVTiers:
             self._remote_loads.clear()
         if not ids:
             return
-        src = srcs[0] if len(srcs) == 1 else torch.cat(srcs)
-        dev = self.kv_cache.device
-        target = torch.tensor(ids, dtype=torch.int64, device=dev)
-        self.kv_cache.index_copy_(2, target, src.to(dev, non_blocking=True).movedim(0, 2))
+        scatter_blocks(self.kv_cache, ids, srcs[0] if len(srcs) == 1 else torch.cat(srcs))
 
     def after_step(self, segments: Sequence[CachedSegment]) -> concurrent.futures.Future | None:
         """Write the blocks this step made full through to the cache node (asynchronously).

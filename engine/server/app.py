@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from kvmesh.engine.kv.event_publisher import KVEventPublisher
 from kvmesh.engine.server import errors
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
+from kvmesh.engine.server.disagg import DisaggServing
 from kvmesh.engine.server.drain import Drainer
 from kvmesh.engine.server.errors import APIError
 from kvmesh.engine.server.generation import Serving
@@ -36,9 +37,12 @@ class ServerApp:
     """Everything one server process holds: the async engine, metrics, the app."""
 
     def __init__(self, aengine: AsyncEngine, served_model_names: list[str] | None = None,
-                 kv_publisher: KVEventPublisher | None = None, drain_timeout_s: float = 30.0) -> None:
+                 kv_publisher: KVEventPublisher | None = None, drain_timeout_s: float = 30.0,
+                 role: str = "both", kv_transfer_port: int = 0, kv_transfer_timeout_s: float = 30.0) -> None:
         """`kv_publisher`, when given, streams the engine's KV events from load to shutdown;
-        `drain_timeout_s` bounds a drain (SIGTERM or POST /admin/drain) before leftovers are aborted."""
+        `drain_timeout_s` bounds a drain (SIGTERM or POST /admin/drain) before leftovers are aborted;
+        `role` prefill/decode adds the KV handoff (docs/disagg.md), decode listening for KV on
+        `kv_transfer_port` (0: any free port, reported by /kv/info)."""
         self.aengine = aengine
         self.drainer = Drainer(aengine, drain_timeout_s)
         self.kv_publisher = kv_publisher
@@ -50,6 +54,8 @@ class ServerApp:
         aengine.on_token_gap = self.metrics.observe_token_gap
         aengine.on_dispatch_lag = self.metrics.observe_dispatch_lag
         self.serving = Serving(aengine, [], count_error=self.metrics.count_error)
+        self.disagg = DisaggServing(role, aengine, self.serving, transfer_port=kv_transfer_port,
+                                    transfer_timeout_s=kv_transfer_timeout_s)
         self.app = self._build()
 
     def served_names(self) -> list[str]:
@@ -68,6 +74,7 @@ class ServerApp:
         self.metrics.set_model(names[0], self.aengine.engine.config.block_size)
         if self.kv_publisher is not None:
             self.kv_publisher.start(self.aengine.engine.events)
+        self.disagg.on_loaded()
 
     def _build(self) -> FastAPI:
         @asynccontextmanager
@@ -80,6 +87,7 @@ class ServerApp:
                 yield
             finally:
                 await self.aengine.shutdown()
+                await asyncio.to_thread(self.disagg.close)
                 if self.kv_publisher is not None:
                     await asyncio.to_thread(self.kv_publisher.close)
 
@@ -87,7 +95,7 @@ class ServerApp:
         app.state.server = self
         self._add_error_handlers(app)
         self._add_routes(app)
-        add_kv_routes(app, self.aengine, self.kv_publisher)
+        add_kv_routes(app, self.aengine, self.kv_publisher, self.disagg.info)
         return app
 
     # ---- errors ------------------------------------------------------------------------
@@ -166,12 +174,18 @@ class ServerApp:
         async def completions(body: CompletionRequest, request: Request) -> Any:
             arrival = time.monotonic()
             aengine.check_accepting(0)
+            if body.kv_transfer_params is not None:
+                return await self.disagg.respond(serving.prepare_completion(body), body.kv_transfer_params,
+                                                 request, arrival)
             return await serving.respond(serving.prepare_completion(body), request, arrival)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
             arrival = time.monotonic()
             aengine.check_accepting(0)
+            if body.kv_transfer_params is not None:
+                return await self.disagg.respond(serving.prepare_chat(body), body.kv_transfer_params,
+                                                 request, arrival)
             return await serving.respond(serving.prepare_chat(body), request, arrival)
 
     def _loaded_names(self) -> list[str]:

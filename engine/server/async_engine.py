@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.engine.outputs import RequestOutput
@@ -53,6 +53,8 @@ class SeqSubmission:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of ``add_request`` (a KV handoff's ``handoff_from``, ``transfer_id``)."""
 
 
 class RequestGroup:
@@ -214,7 +216,7 @@ class AsyncEngine:
         try:
             for s in seqs:
                 self.engine.add_request(s.request_id, s.prompt_token_ids, s.params,
-                                        priority=priority, arrival_time=arrival_time)
+                                        priority=priority, arrival_time=arrival_time, **s.options)
                 added.append(s.request_id)
         except BaseException:
             for rid in added:

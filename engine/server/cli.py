@@ -38,6 +38,16 @@ def parse_size(text: str) -> int:
     return n
 
 
+def _port_or_zero(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r} (0 for any free port, or 1..65535)")
+    return port
+
+
 def _kv_events_port(text: str) -> int:
     try:
         port = int(text)
@@ -100,7 +110,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--role", choices=ROLES, default="both",
-                   help="both: prefill and decode in this engine (prefill/decode pools come later)")
+                   help="both: prefill and decode in this engine (default); prefill: compute prompts and hand "
+                        "their KV and first token to a decode engine; decode: generate from KV it receives "
+                        "(plain requests are served colocated). See docs/disagg.md")
+    s.add_argument("--kv-transfer-port", type=_port_or_zero, default=0, metavar="PORT",
+                   help="decode role: UCX port that receives KV from prefill engines (0: any free port, "
+                        "reported by /kv/info; the operator uses 8001)")
+    s.add_argument("--kv-transfer-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="bound on one prefill->decode handoff: a reservation waiting for its KV or for its "
+                        "request, and held prefill blocks waiting for confirmation (default: %(default)s)")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="sequences that may wait for their first token before new requests get 429 "
                         "(0: unbounded; default: %(default)s)")
@@ -197,21 +215,19 @@ def settings_from_args(args: argparse.Namespace):  # -> ServeSettings (imported 
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
         attention_backend=args.attention_backend, num_threads=args.num_threads, seed=args.seed,
         cpu_kv_bytes=args.cpu_kv_bytes, cache_node=_cache_node(args),
-        cache_node_timeout=args.cache_node_timeout,
+        cache_node_timeout=args.cache_node_timeout, kv_transfer_timeout=args.kv_transfer_timeout,
     )
     return ServeSettings(
         engine=engine, host=args.host, port=args.port, served_model_names=served_names,
         max_waiting_requests=args.max_waiting_requests, drain_timeout_s=args.drain_timeout,
         log_level=args.log_level, access_log=args.access_log,
         kv_events_port=args.kv_events_port, kv_events_host=args.kv_events_host or args.host,
+        role=args.role, kv_transfer_port=args.kv_transfer_port,
     )
 
 
 def handler(args: argparse.Namespace) -> int:
     """Entry point of `kvmesh serve`; returns the exit code (0 after a drained shutdown)."""
-    if args.role != "both":
-        print(f"kvmesh serve: --role {args.role} is not available yet; use --role both", file=sys.stderr)
-        return 2
     from kvmesh.engine.config import ConfigError
 
     try:

@@ -140,8 +140,10 @@ class Serving:
         return out
 
     # ---- execution --------------------------------------------------------------------
-    def submit(self, prep: Prepared, arrival_time: float) -> RequestGroup:
-        seqs = [SeqSubmission(prep.seq_id(c.index), prep.prompts[c.prompt_index], c.params) for c in prep.choices]
+    def submit(self, prep: Prepared, arrival_time: float, options: dict[str, Any] | None = None) -> RequestGroup:
+        """Start every choice of ``prep``; ``options`` go to each ``add_request`` (KV handoffs)."""
+        seqs = [SeqSubmission(prep.seq_id(c.index), prep.prompts[c.prompt_index], c.params, dict(options or {}))
+                for c in prep.choices]
         try:
             return self.aengine.submit(seqs, priority=prep.priority, arrival_time=arrival_time)
         except APIError:
@@ -150,7 +152,11 @@ class Serving:
             raise engine_error(e, "prompt" if prep.kind == "completion" else "messages") from None
 
     async def respond(self, prep: Prepared, request: Request, arrival_time: float) -> Response | EventStreamResponse:
-        group = self.submit(prep, arrival_time)
+        return await self.respond_group(prep, self.submit(prep, arrival_time), request)
+
+    async def respond_group(self, prep: Prepared, group: RequestGroup,
+                            request: Request) -> Response | EventStreamResponse:
+        """Stream or collect a submitted group's outputs as the OpenAI response."""
         if prep.stream:
             return EventStreamResponse(self._stream(prep, group), on_disconnect=lambda: self.aengine.abort(group))
         watcher = watch_disconnect(request.receive, lambda: self.aengine.abort(group))

@@ -7,6 +7,7 @@ stream is published. Both answer 503 (OpenAI error format) until the engine has 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -48,7 +49,9 @@ def kv_info(engine: Any, publisher: KVEventPublisher | None) -> dict[str, Any]:
     }
 
 
-def add_kv_routes(app: FastAPI, aengine: AsyncEngine, publisher: KVEventPublisher | None) -> None:
+def add_kv_routes(app: FastAPI, aengine: AsyncEngine, publisher: KVEventPublisher | None,
+                  role_info: Callable[[], dict[str, Any]] | None = None) -> None:
+    """``role_info`` adds the server's ``role`` and ``transfer_port`` (docs/disagg.md) to ``/kv/info``."""
     def loaded_engine() -> Any:
         if aengine.engine is None:
             if aengine.state is ServerState.FAILED:
@@ -62,4 +65,6 @@ def add_kv_routes(app: FastAPI, aengine: AsyncEngine, publisher: KVEventPublishe
 
     @app.get("/kv/info")
     async def kv_info_route() -> dict[str, Any]:
-        return kv_info(loaded_engine(), publisher)
+        info = kv_info(loaded_engine(), publisher)
+        info.update(role_info() if role_info is not None else {"role": "both", "transfer_port": None})
+        return info

@@ -22,6 +22,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class KVTransferParams(BaseModel):
+    """The router's instructions for a prefill/decode handoff (docs/disagg.md).
+
+    To a prefill engine: ``transfer_id``, ``decode_host`` and ``decode_port``; to a decode engine:
+    ``transfer_id`` only.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    transfer_id: str = Field(min_length=1, max_length=128)
+    decode_host: str | None = Field(None, min_length=1, max_length=253)
+    decode_port: int | None = Field(None, gt=0, lt=65536)
+
+
 class _SamplingFields(BaseModel):
     """Fields the two APIs share."""
 
@@ -47,6 +61,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # Prefill/decode disaggregation (docs/disagg.md): set by the router, never by clients.
+    kv_transfer_params: KVTransferParams | None = None
 
     @field_validator("stop")
     @classmethod

@@ -56,6 +56,10 @@ class ServeSettings:
     kv_events_port: int = 0
     """PUB port of the KV event stream (replay on the next port); 0: no stream."""
     kv_events_host: str = "127.0.0.1"
+    role: str = "both"
+    """both: colocated; prefill/decode: one side of a KV handoff (docs/disagg.md)."""
+    kv_transfer_port: int = 0
+    """Decode role: UCX port for incoming KV (0: any free port, reported by /kv/info)."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -139,7 +143,9 @@ def build_server(settings: ServeSettings, engine_factory: Callable[[], Any] | No
         publisher = KVEventPublisher(settings.kv_events_host, settings.kv_events_port)
         publisher.bind()  # a busy port fails here, before the model loads
     server_app = ServerApp(aengine, settings.served_model_names, kv_publisher=publisher,
-                           drain_timeout_s=settings.drain_timeout_s)
+                           drain_timeout_s=settings.drain_timeout_s, role=settings.role,
+                           kv_transfer_port=settings.kv_transfer_port,
+                           kv_transfer_timeout_s=settings.engine.kv_transfer_timeout)
     app = server_app.app
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,

@@ -87,6 +87,12 @@ class Channel:
         await self._io(self._windowed([ep.send(a, tag=_PAYLOAD_TAG_BASE + i) for i, a in enumerate(arrays)]),
                        f"sending {len(arrays)} block payloads")
 
+    async def recv_payloads_into(self, out: Sequence[np.ndarray]) -> None:
+        """Receive one message into each of ``out`` (views of one buffer: a batch lands contiguous)."""
+        ep = self._live()
+        await self._io(self._windowed([ep.recv(a, tag=_PAYLOAD_TAG_BASE + i) for i, a in enumerate(out)]),
+                       f"receiving {len(out)} block payloads")
+
     async def recv_payloads(self, sizes: Sequence[int]) -> list[np.ndarray]:
         """Receive one message per size into freshly allocated arrays (the block store keeps them)."""
         out = [np.empty(n, np.uint8) for n in sizes]

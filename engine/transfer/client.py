@@ -137,6 +137,47 @@ class AsyncKVClient:
 
         return await self._request(run, timeout, f"get of {len(hashes)} blocks")
 
+    # ---- prefill -> decode handoff (docs/disagg.md) ------------------------------------------------
+    async def reserve(self, transfer_id: str, layout: BlockLayout, prompt_token_ids: Sequence[int], max_tokens: int,
+                      timeout: float | None = None) -> protocol.Reserved | protocol.ErrorReply:
+        """Ask a decode engine to reserve blocks; a refusal (no room, too large, header) is returned."""
+
+        async def run(ch: Channel) -> protocol.Reserved | protocol.ErrorReply:
+            await ch.send(protocol.Reserve(transfer_id, layout, list(prompt_token_ids), max_tokens))
+            reply = await ch.expect(protocol.Reserved)
+            if isinstance(reply, protocol.ErrorReply) and reply.kind == protocol.ERR_INTERNAL:
+                raise_error_reply(reply)
+            return reply
+
+        return await self._request(run, timeout, f"reservation of {transfer_id}")
+
+    async def push(self, push: protocol.PushKV, payloads: Sequence[Any], timeout: float | None = None) -> int:
+        """Send one part of a handoff; returns the blocks the decode engine stored. Any refusal raises."""
+
+        async def run(ch: Channel) -> int:
+            await ch.send(push)
+            ready = await ch.expect(protocol.PushReady)
+            if isinstance(ready, protocol.ErrorReply):
+                raise_error_reply(ready)
+            await ch.send_payloads(payloads)
+            done = await ch.expect(protocol.PushDone)
+            if isinstance(done, protocol.ErrorReply):
+                raise_error_reply(done)
+            if done.num_blocks != len(payloads):
+                raise ProtocolError(f"{self.peer} stored {done.num_blocks} of {len(payloads)} pushed blocks")
+            return done.num_blocks
+
+        return await self._request(run, timeout, f"push of {len(payloads)} blocks for {push.transfer_id}")
+
+    async def cancel(self, transfer_id: str, timeout: float | None = None) -> None:
+        async def run(ch: Channel) -> None:
+            await ch.send(protocol.Cancel(transfer_id))
+            reply = await ch.expect(protocol.Cancelled)
+            if isinstance(reply, protocol.ErrorReply):
+                raise_error_reply(reply)
+
+        await self._request(run, timeout, f"cancel of {transfer_id}")
+
     async def stats(self, timeout: float | None = None) -> dict[str, Any]:
         async def run(ch: Channel) -> dict[str, Any]:
             await ch.send(protocol.Stats())

@@ -26,7 +26,9 @@ log = logging.getLogger("kvmesh.transfer")
 
 class RequestHandler(Protocol):
     async def handle(self, msg: protocol.Message, ch: Channel) -> None:
-        """Answer one request on ``ch``; raise ``TransferError`` to drop the connection."""
+        """Answer one request on ``ch``; raise ``TransferError`` to drop the connection.
+
+        A handler may also define ``connection_closed(ch)``, called once when ``ch`` ends."""
 
 
 class KVServer:
@@ -88,6 +90,9 @@ class KVServer:
         finally:
             self._channels.discard(ch)
             ch.abort()
+            closed = getattr(self.handler, "connection_closed", None)
+            if closed is not None:
+                closed(ch)
             self._tasks.discard(asyncio.current_task())
 
     async def close(self) -> None:

@@ -1,0 +1,131 @@
+"""A decode engine's KV transfer endpoint: a ucxx listener answering reserve, push and cancel.
+
+Runs on its own transfer loop thread; every decision about blocks is the engine's (through its
+thread-safe ``reserve_transfer``/``check_push``/``fill_transfer``, run at its next step or idle
+tick), so this module only frames messages and moves bytes.
+
+Failure semantics: a refused reservation is answered at once (``no_room``, ``too_large``,
+``header_mismatch``) and the connection stays usable; a push whose hashes or position do not fit
+the reservation is answered ``bad_request`` before any payload is read; a connection that drops
+frees every incomplete reservation it made (the prefill side is gone); payloads that do not all
+arrive within ``payload_timeout_s`` drop the connection, which frees the reservation the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..transfer import protocol
+from ..transfer.channel import Channel
+from ..transfer.errors import HeaderMismatch, TransferTimeout
+from ..transfer.header import BlockLayout, check_layout
+from ..transfer.loop_thread import LoopThread
+from ..transfer.server import KVServer
+from .errors import HandoffError, NoRoom, TooLarge, UnknownTransfer
+from .gather import block_shape, cache_layout
+
+log = logging.getLogger("kvmesh.disagg")
+
+
+def _refusal(e: HandoffError) -> protocol.ErrorReply:
+    kind = (protocol.ERR_NO_ROOM if isinstance(e, NoRoom) else protocol.ERR_TOO_LARGE if isinstance(e, TooLarge)
+            else protocol.ERR_UNKNOWN_TRANSFER if isinstance(e, UnknownTransfer) else protocol.ERR_BAD_REQUEST)
+    return protocol.ErrorReply(kind, str(e))
+
+
+class DecodeHandler:
+    """Answers the prefill side for one decode engine (shared by every connection)."""
+
+    def __init__(self, engine: Any, *, payload_timeout_s: float = 60.0) -> None:
+        self.engine = engine
+        self.layout: BlockLayout = cache_layout(engine.kv.extra, engine.runner.kv_cache)
+        self.block_shape = block_shape(engine.runner.kv_cache)
+        self.dtype = engine.runner.kv_cache.dtype
+        self.payload_timeout_s = payload_timeout_s
+        self.blocks_received = 0
+        self.bytes_received = 0
+
+    async def handle(self, msg: protocol.Message, ch: Channel) -> None:
+        if isinstance(msg, protocol.Reserve):
+            await self._reserve(msg, ch)
+        elif isinstance(msg, protocol.PushKV):
+            await self._push(msg, ch)
+        elif isinstance(msg, protocol.Cancel):
+            self.engine.cancel_transfer(msg.transfer_id)
+            await ch.send(protocol.Cancelled())
+        else:
+            await ch.send(protocol.ErrorReply(protocol.ERR_BAD_REQUEST,
+                                              f"a decode engine does not answer {type(msg).__name__}"))
+
+    def connection_closed(self, ch: Channel) -> None:
+        self.engine.drop_transfer_owner(ch)
+
+    async def _reserve(self, msg: protocol.Reserve, ch: Channel) -> None:
+        try:
+            check_layout(self.layout, msg.layout)
+        except HeaderMismatch as e:
+            await ch.send(protocol.ErrorReply(protocol.ERR_HEADER, str(e), e.field, repr(e.expected), repr(e.got)))
+            return
+        try:
+            r = await asyncio.wrap_future(self.engine.reserve_transfer(msg.transfer_id, msg.prompt_token_ids,
+                                                                       msg.max_tokens, owner=ch))
+        except HandoffError as e:
+            await ch.send(_refusal(e))
+            return
+        await ch.send(protocol.Reserved(r.hit_blocks, r.num_blocks))
+
+    async def _push(self, msg: protocol.PushKV, ch: Channel) -> None:
+        try:
+            await asyncio.wrap_future(self.engine.check_push(msg.transfer_id, msg.start, msg.hashes, msg.final))
+        except HandoffError as e:
+            await ch.send(_refusal(e))
+            return
+        await ch.send(protocol.PushReady())
+        n = len(msg.hashes)
+        data = None
+        if n:
+            nbytes = self.layout.nbytes
+            buf = np.empty(n * nbytes, np.uint8)
+            try:
+                await asyncio.wait_for(ch.recv_payloads_into([buf[i * nbytes:(i + 1) * nbytes] for i in range(n)]),
+                                       self.payload_timeout_s)
+            except TimeoutError:
+                raise TransferTimeout(f"push of {n} blocks for {msg.transfer_id} did not arrive within "
+                                      f"{self.payload_timeout_s:.0f}s") from None
+            data = torch.from_numpy(buf).view(self.dtype).view(n, *self.block_shape)
+        try:
+            await asyncio.wrap_future(self.engine.fill_transfer(msg.transfer_id, msg.start, data, msg.final, msg.first))
+        except HandoffError as e:
+            await ch.send(_refusal(e))
+            return
+        self.blocks_received += n
+        self.bytes_received += n * self.layout.nbytes
+        await ch.send(protocol.PushDone(n))
+
+
+class DecodeEndpoint:
+    """The listener and its loop thread; ``port`` is what ``/kv/info`` reports as ``transfer_port``."""
+
+    def __init__(self, engine: Any, port: int = 0) -> None:
+        self.handler = DecodeHandler(engine)
+        self.loop = LoopThread("kvmesh-kv-transfer")
+        self.server = KVServer(self.handler, port)
+        try:
+            self.loop.call(self.server.start(), timeout=30.0)
+        except BaseException:
+            self.loop.close()
+            raise
+        self.port = self.server.port
+        log.info("KV transfer: decode endpoint on UCX port %d", self.port)
+
+    def close(self) -> None:
+        try:
+            self.loop.call(self.server.close(), timeout=10.0)
+        except Exception:  # noqa: BLE001 - closing anyway
+            log.debug("KV transfer endpoint close failed", exc_info=True)
+        self.loop.close()

@@ -1,0 +1,198 @@
+"""The HTTP side of prefill/decode roles: stage 1 on a prefill engine, stage 2 on a decode engine.
+
+docs/disagg.md is the contract with the router. A request carrying ``kv_transfer_params`` with a
+``decode_host`` is a stage-1 request (prefill role): reserve on the decode engine, compute the
+prompt and the first token, push the KV, answer a ``kv_transfer`` JSON object. One carrying only a
+``transfer_id`` is a stage-2 request (decode role): take over the transferred KV and answer
+exactly like a colocated engine.
+
+Invariants: a stage-1 request frees everything it took on every path: the decode reservation is
+cancelled when nothing was pushed, the held blocks are released once the push ended (confirmed
+or failed); a stage-2 request that finds no completed transfer is answered 409 before any byte
+of a response is sent, so the router can start over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvmesh.engine.server import errors
+from kvmesh.engine.server.async_engine import AsyncEngine
+from kvmesh.engine.server.cli import ROLES
+from kvmesh.engine.server.errors import APIError
+from kvmesh.engine.server.generation import Prepared, Serving, engine_error
+from kvmesh.engine.server.protocol import KVTransferParams
+from kvmesh.engine.server.streaming import EventStreamResponse, watch_disconnect
+
+log = logging.getLogger("kvmesh.server.disagg")
+
+def _err(message: str, status: int, code: str, headers: dict[str, str] | None = None) -> APIError:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return APIError(message, status, kind, code, "kv_transfer_params", headers)
+
+
+class DisaggServing:
+    """Role-specific request handling and the transfer endpoints it owns (started once loaded)."""
+
+    def __init__(self, role: str, aengine: AsyncEngine, serving: Serving, *, transfer_port: int = 0,
+                 transfer_timeout_s: float = 30.0) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; use one of {', '.join(ROLES)}")
+        self.role = role
+        self.aengine = aengine
+        self.serving = serving
+        self.transfer_port = transfer_port
+        self.transfer_timeout_s = transfer_timeout_s
+        self.endpoint: Any = None  # decode: DecodeEndpoint
+        self.links: Any = None  # prefill: DecodeLinks
+        self.handoffs = 0
+        self.handoff_failures: dict[str, int] = {}
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def on_loaded(self) -> None:
+        engine = self.aengine.engine
+        if self.role == "decode":
+            from kvmesh.engine.disagg.decode_link import DecodeEndpoint
+
+            self.endpoint = DecodeEndpoint(engine, self.transfer_port)
+        elif self.role == "prefill":
+            from kvmesh.engine.disagg.gather import cache_layout
+            from kvmesh.engine.disagg.prefill_link import DecodeLinks
+
+            self.links = DecodeLinks(cache_layout(engine.kv.extra, engine.runner.kv_cache), self.transfer_timeout_s)
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+        if self.links is not None:
+            self.links.close()
+            self.links = None
+
+    def info(self) -> dict[str, Any]:
+        """``role`` and ``transfer_port`` for ``/kv/info``."""
+        return {"role": self.role, "transfer_port": self.endpoint.port if self.endpoint is not None else None}
+
+    # ---- requests -------------------------------------------------------------------------------
+    async def respond(self, prep: Prepared, kvp: KVTransferParams, request: Request,
+                      arrival: float) -> Response | EventStreamResponse:
+        if len(prep.choices) != 1:
+            raise _err("a KV transfer carries one sequence; send n > 1 (or several prompts) to a decode or "
+                       "colocated engine directly", 400, "n_not_supported")
+        if kvp.decode_host is not None or kvp.decode_port is not None:
+            if self.role != "prefill" or self.links is None:
+                raise _err(f"this engine runs --role {self.role}; stage 1 of a KV transfer goes to a prefill "
+                           "engine", 400, "wrong_role")
+            if kvp.decode_host is None or kvp.decode_port is None:
+                raise _err("kv_transfer_params needs both decode_host and decode_port", 400, "invalid_request")
+            return await self._prefill(prep, kvp, request, arrival)
+        if self.role != "decode":
+            raise _err(f"this engine runs --role {self.role}; stage 2 of a KV transfer goes to a decode engine",
+                       400, "wrong_role")
+        return await self._decode(prep, kvp, request, arrival)
+
+    def _failed(self, code: str) -> None:
+        self.handoff_failures[code] = self.handoff_failures.get(code, 0) + 1
+
+    async def _prefill(self, prep: Prepared, kvp: KVTransferParams, request: Request, arrival: float) -> JSONResponse:
+        from kvmesh.engine.disagg.prefill_link import Refused
+        from kvmesh.engine.disagg.prefill_side import DECODE
+        from kvmesh.engine.transfer import protocol
+        from kvmesh.engine.transfer.errors import ConnectFailed, TransferError
+
+        assert kvp.decode_host is not None and kvp.decode_port is not None
+        host, port, tid = kvp.decode_host, kvp.decode_port, kvp.transfer_id
+        prompt, params = prep.prompts[0], prep.choices[0].params
+        engine = self.aengine.engine
+        self.aengine.check_accepting(1)
+        try:
+            engine.check_request(prompt, params)  # refuse what this engine cannot run before reserving
+        except Exception as e:  # noqa: BLE001 - validation errors become 4xx
+            raise engine_error(e, "prompt" if prep.kind == "completion" else "messages") from None
+        t0 = time.perf_counter()
+        try:
+            res = await self.links.reserve(host, port, tid, prompt, params.max_tokens)
+        except Refused as e:
+            self._failed(e.kind)
+            if e.kind == protocol.ERR_NO_ROOM:
+                raise _err(f"decode engine {host}:{port} has no room: {e}", 503, "decode_no_room",
+                           {"Retry-After": "1"}) from None
+            if e.kind == protocol.ERR_TOO_LARGE:
+                raise _err(str(e), 400, "decode_too_large") from None
+            raise _err(f"decode engine {host}:{port} refused the transfer ({e.kind}): {e}", 502,
+                       "decode_failed") from None
+        except ConnectFailed as e:
+            self._failed("decode_unreachable")
+            raise _err(str(e), 502, "decode_unreachable") from None
+        except TransferError as e:
+            self._failed("decode_failed")
+            raise _err(f"reservation on decode engine {host}:{port} failed: {e}", 502, "decode_failed") from None
+        t1 = time.perf_counter()
+        try:
+            group = self.serving.submit(prep, arrival, {"handoff_from": res.hit_blocks})
+        except BaseException:
+            await self.links.cancel(host, port, tid)
+            raise
+        handoff = None
+        watcher = watch_disconnect(request.receive, lambda: self.aengine.abort(group))
+        try:
+            while handoff is None:
+                outs = await group.next_outputs()
+                if not outs:
+                    break
+                for out in outs:
+                    if out.finished and out.finish_reason == "transfer":
+                        handoff = out.handoff
+                    elif out.finish_reason == "error":
+                        raise errors.engine_failed(out.error or "the prefill failed")
+        finally:
+            watcher.cancel()
+            self.aengine.release(group)
+            if handoff is None:
+                await self.links.cancel(host, port, tid)
+        if handoff is None:  # aborted: the client went away
+            raise _err("the request was aborted before its prefill finished", 499, "aborted")
+        t2 = time.perf_counter()
+        try:
+            pushed = await self.links.push(host, port, tid, handoff)
+        except TransferError as e:
+            self._failed("decode_failed")
+            raise _err(f"KV transfer to decode engine {host}:{port} failed: {e}", 502, "decode_failed") from None
+        finally:
+            engine.release_handoff(handoff.request_id, DECODE)
+        self.handoffs += 1
+        return JSONResponse({
+            "object": "kv_transfer", "transfer_id": tid, "prompt_tokens": handoff.num_prompt_tokens,
+            "cached_tokens": handoff.first.cached_tokens, "decode_hit_blocks": res.hit_blocks,
+            "blocks_sent": pushed.blocks, "bytes_sent": pushed.nbytes,
+            "reserve_s": round(t1 - t0, 6), "prefill_s": round(t2 - t1, 6), "transfer_s": round(pushed.seconds, 6),
+        })
+
+    async def _decode(self, prep: Prepared, kvp: KVTransferParams, request: Request,
+                      arrival: float) -> Response | EventStreamResponse:
+        from kvmesh.engine.disagg.errors import TransferMismatch, UnknownTransfer
+
+        claimed: Future = Future()
+        group = self.serving.submit(prep, arrival, {"transfer_id": kvp.transfer_id, "claimed": claimed})
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(claimed), self.transfer_timeout_s)
+        except TimeoutError:
+            self.aengine.release(group)
+            raise errors.engine_failed("the engine did not take over the KV transfer in time") from None
+        except UnknownTransfer as e:
+            self.aengine.release(group)
+            raise _err(str(e), 409, "transfer_not_found") from None
+        except TransferMismatch as e:
+            self.aengine.release(group)
+            raise _err(str(e), 400, "transfer_mismatch") from None
+        except BaseException:
+            self.aengine.release(group)
+            raise
+        return await self.serving.respond_group(prep, group, request)
