@@ -5,6 +5,9 @@ chunks", and owning ``send`` directly is what lets the proxy hold the response h
 until the engine has produced a first byte (so retries stay invisible to the client).
 
 Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /ready, /metrics.
+
+With a prefill pool configured (``RouterSettings.disaggregated``) generation requests run in two
+stages (engine/router/disagg.py); without one, each goes to one engine of the pool as is.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from typing import Any
 import aiohttp
 
 from kvmesh.engine.router import proxy
+from kvmesh.engine.router.disagg import FALLBACK_REASONS, STAGE1_OUTCOMES, TwoStageRouter
 from kvmesh.engine.router.discovery import EngineState, Fleet, ServiceSource
-from kvmesh.engine.router.metrics import RouterMetrics
-from kvmesh.engine.router.policies import LoadModel, RouteRequest, build_policy, uses_prefix
-from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, PromptInfo, analyze, common_hash_spec, matched_tokens
+from kvmesh.engine.router.metrics import PDMetrics, RouterMetrics
+from kvmesh.engine.router.policies import LoadModel, Policy, RouteRequest, build_policy, uses_prefix
+from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, PromptInfo, analyze, matched_tokens
+from kvmesh.engine.router.proxy import all_engines_down
 from kvmesh.engine.router.sessions import SessionTable, session_key
 from kvmesh.engine.server import errors
 from kvmesh.engine.server.errors import APIError
@@ -39,9 +44,16 @@ blocking the event loop for the ~0.3 ms per 1k characters tokenizing takes)."""
 
 @dataclass(frozen=True)
 class RouterSettings:
+    """``engines``/``services``: the decode (or colocated) pool; ``prefill_engines``/
+    ``prefill_services``: the prefill pool, whose presence turns on two-stage serving."""
+
     policy: str = "cache-aware"
     engines: tuple[str, ...] = ()
     services: tuple[ServiceSource, ...] = ()
+    prefill_engines: tuple[str, ...] = ()
+    prefill_services: tuple[ServiceSource, ...] = ()
+    pd_queue_timeout_s: float = 30.0
+    pd_max_queued: int = 256
     session_idle_s: float = 600.0
     load: LoadModel = LoadModel()
     max_attempts: int = 3
@@ -50,11 +62,9 @@ class RouterSettings:
     health_interval_s: float = 2.0
     sync_timeout_s: float = 60.0
 
-
-def all_engines_down(tried: list[str]) -> APIError:
-    detail = f"; tried: {'; '.join(tried)}" if tried else ""
-    return APIError(f"no engine is available to serve this request{detail}. Retry shortly.", 503,
-                    "service_unavailable", "no_engine_available", None, {"Retry-After": "1"})
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_engines or self.prefill_services)
 
 
 async def _read_body(receive: Callable[[], Any]) -> bytes:
@@ -72,17 +82,26 @@ class RouterApp:
     """Holds the fleet, the policy, the sessions and the metrics; ``__call__`` is the ASGI app."""
 
     def __init__(self, settings: RouterSettings, tokenizer: Any | None = None,
-                 fleet_factory: Callable[[aiohttp.ClientSession], Fleet] | None = None) -> None:
+                 fleet_factory: Callable[[aiohttp.ClientSession], Fleet] | None = None,
+                 prefill_fleet_factory: Callable[[aiohttp.ClientSession], Fleet] | None = None) -> None:
         self.settings = settings
         self.policy = build_policy(settings.policy, settings.load)
         self.tokenizer = tokenizer if uses_prefix(settings.policy) else None
         self.sessions = SessionTable(idle_s=settings.session_idle_s)
         self._fleet_factory = fleet_factory or self._default_fleet
-        self.fleet: Fleet | None = None
+        self._prefill_fleet_factory = prefill_fleet_factory or self._default_prefill_fleet
+        self.fleet: Fleet | None = None  # the decode (or colocated) pool
+        self.prefill_fleet: Fleet | None = None  # only when disaggregated
         self.session: aiohttp.ClientSession | None = None
         self._turn = itertools.count()
         self.metrics = RouterMetrics(settings.policy, lambda: self.fleet.num_healthy() if self.fleet else 0,
-                                     lambda: self.fleet.index.size() if self.fleet else {})
+                                     self._index_sizes)
+        self.two_stage: TwoStageRouter | None = None
+        if settings.disaggregated:
+            pd = PDMetrics(self.metrics.registry,
+                           lambda: self.prefill_fleet.num_healthy() if self.prefill_fleet else 0,
+                           lambda: self.two_stage.queued if self.two_stage else 0, STAGE1_OUTCOMES, FALLBACK_REASONS)
+            self.two_stage = TwoStageRouter(self, pd)
         self._timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s, sock_read=None)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="router-tokenize")
 
@@ -92,20 +111,43 @@ class RouterApp:
                      resolve_interval_s=s.resolve_interval_s, health_interval_s=s.health_interval_s,
                      on_removed=self.sessions.forget_endpoint)
 
+    def _default_prefill_fleet(self, session: aiohttp.ClientSession) -> Fleet:
+        s = self.settings
+        return Fleet(session, urls=list(s.prefill_engines), services=list(s.prefill_services),
+                     track_kv=self.tokenizer is not None, resolve_interval_s=s.resolve_interval_s,
+                     health_interval_s=s.health_interval_s, on_removed=self.sessions.forget_endpoint)
+
+    def _fleets(self) -> list[Fleet]:
+        return [f for f in (self.prefill_fleet, self.fleet) if f is not None]
+
+    def _index_sizes(self) -> dict[str, Any]:
+        # Engine URLs differ between the pools, so one family holds both indexes.
+        out: dict[str, Any] = {}
+        for f in self._fleets():
+            out.update(f.index.size())
+        return out
+
+    def ready(self) -> bool:
+        """Every configured pool has a healthy engine and every healthy engine's KV state is loaded."""
+        return self.fleet is not None and all(f.ready() for f in self._fleets())
+
     # ---- lifecycle -----------------------------------------------------------------------
     async def startup(self) -> None:
         # One pooled connector for every engine; no per-host cap (the engines queue, not us).
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
                                              auto_decompress=False)
         self.fleet = self._fleet_factory(self.session)
-        await self.fleet.start()
-        if not await self.fleet.wait_synced(self.settings.sync_timeout_s):
+        if self.settings.disaggregated:
+            self.prefill_fleet = self._prefill_fleet_factory(self.session)
+        await asyncio.gather(*(f.start() for f in self._fleets()))
+        synced = await asyncio.gather(*(f.wait_synced(self.settings.sync_timeout_s) for f in self._fleets()))
+        if not all(synced):
             log.warning("not every engine's KV snapshot loaded within %.0fs; /ready stays 503 until they do",
                         self.settings.sync_timeout_s)
 
     async def shutdown(self) -> None:
-        if self.fleet is not None:
-            await self.fleet.stop()
+        for f in self._fleets():
+            await f.stop()
         if self.session is not None:
             await self.session.close()
         self._tokenize_pool.shutdown(wait=False)
@@ -144,7 +186,7 @@ class RouterApp:
             elif path == "/health":
                 await proxy.send_json(send, 200, b'{"status":"ok"}')
             elif path == "/ready":
-                ok = self.fleet is not None and self.fleet.ready()
+                ok = self.ready()
                 await proxy.send_json(send, 200 if ok else 503, b'{"ready":%s}' % (b"true" if ok else b"false"))
             elif path == "/metrics":
                 body, ctype = render(self.metrics.registry)
@@ -177,23 +219,28 @@ class RouterApp:
     # ---- generation ----------------------------------------------------------------------
     def decide(self, info: PromptInfo, session: str | None, exclude: frozenset[str],
                now: float) -> tuple[str | None, int]:
-        """(engine URL or None, predicted cached prompt tokens on it)."""
+        """(engine URL or None, predicted cached prompt tokens on it) over the decode pool."""
         assert self.fleet is not None
-        endpoints = self.fleet.endpoints()
-        matches, block_size = {}, 16
-        if self.tokenizer is not None and info.token_ids:
-            engines = self.fleet.engines
-            spec = common_hash_spec([(e.block_size, e.extra) for e in engines.values()])
-            if spec is not None:
-                block_size, extra = spec
-                hashes = info.hashes(block_size, extra)
-                index = self.fleet.index
-                for url, st in engines.items():
-                    if st.block_size == block_size and st.extra == extra:
-                        matches[url] = index.match(url, hashes)
+        return self.choose(self.fleet, self.policy, info, session, exclude, now)
+
+    def choose(self, fleet: Fleet, policy: Policy, info: PromptInfo, session: str | None,
+               exclude: frozenset[str], now: float, receiving_only: bool = False,
+               turn: int | None = None) -> tuple[str | None, int]:
+        """(engine URL or None, predicted cached prompt tokens on it) for ``policy`` over ``fleet``.
+
+        ``receiving_only`` keeps the engines that report a KV transfer port (decode engines);
+        ``turn`` rotates ties (default: the router's own counter; a pool picked in step with
+        another needs its own, or ties would rotate in lockstep and always land on one engine).
+        A session is bound to the engine chosen for it.
+        """
+        if receiving_only:
+            endpoints = [st.endpoint() for st in fleet.engines.values() if st.transfer_port is not None]
+        else:
+            endpoints = fleet.endpoints()
+        matches, block_size = fleet.prefix_matches(info)
         target = self.sessions.target(session, now) if session else None
         req = RouteRequest(info.num_prompt_tokens, block_size, matches, session, target, exclude)
-        chosen = self.policy.choose(req, endpoints, next(self._turn))
+        chosen = policy.choose(req, endpoints, next(self._turn) if turn is None else turn)
         if chosen is not None and session:
             self.sessions.bind(session, chosen, now)
         m = matches.get(chosen) if chosen else None
@@ -233,12 +280,22 @@ class RouterApp:
             info = analyze(path, body, self.tokenizer)
         headers = proxy.forward_headers(scope["headers"])
         session = session_key(headers, info.user) if self.settings.policy == "session" else None
+        if self.two_stage is not None:
+            await self.two_stage.serve(info, body, headers, send, path, session, t0)
+        else:
+            await self._serve_plain(info, body, headers, send, path, session, t0)
+
+    async def _serve_plain(self, info: PromptInfo, body: bytes, headers: dict[str, str], send: proxy.Send,
+                           path: str, session: str | None, t0: float, observe_decision: bool = True) -> None:
+        """The request as is on one engine of the decode (or colocated) pool, retried on others
+        (``observe_decision``: False when the two-stage flow already timed this request's decision)."""
+        assert self.fleet is not None
         exclude: set[str] = set()
         tried: list[str] = []
         last_retry: proxy.Retry | None = None
         for attempt_no in range(self.settings.max_attempts):
             url, predicted = self.decide(info, session, frozenset(exclude), time.monotonic())
-            if attempt_no == 0:
+            if attempt_no == 0 and observe_decision:
                 self.metrics.decision.observe(time.perf_counter() - t0)
             if url is None:
                 break
@@ -261,13 +318,18 @@ class RouterApp:
         self.metrics.count("none", "unavailable")
 
     async def _attempt(self, state: EngineState | None, url: str, path: str, body: bytes,
-                       headers: dict[str, str], send: proxy.Send, info: PromptInfo,
-                       predicted: int) -> proxy.Retry | proxy.Done:
-        uncached = max(0, info.num_prompt_tokens - predicted)
+                       headers: dict[str, str], send: proxy.Send, info: PromptInfo, predicted: int, *,
+                       uncached: int | None = None, ttft_extra_s: float = 0.0,
+                       retry_statuses: frozenset[int] = proxy.RETRY_STATUSES) -> proxy.Retry | proxy.Done:
+        """One relay to ``url``. ``uncached``: prompt tokens the engine must compute (default: the
+        prompt less ``predicted``); ``ttft_extra_s``: time already spent upstream for this answer
+        (stage 1), counted into the TTFT metric."""
+        if uncached is None:
+            uncached = max(0, info.num_prompt_tokens - predicted)
         pending = [uncached]  # prefill tokens still queued on the engine by this request
 
         def first_byte(seconds: float) -> None:
-            self.metrics.ttft.observe(seconds)
+            self.metrics.ttft.observe(seconds + ttft_extra_s)
             if state is not None:
                 state.queued_prefill_tokens -= pending[0]
             pending[0] = 0
@@ -282,7 +344,7 @@ class RouterApp:
         outcome = "aborted"
         try:
             result = await proxy.attempt(self.session, url + path, body, headers, send,
-                                         proxy.Hooks(first_byte, engine_failed), self._timeout)
+                                         proxy.Hooks(first_byte, engine_failed), self._timeout, retry_statuses)
             if isinstance(result, proxy.Done):
                 outcome = result.outcome
                 if result.cached_tokens is not None and info.token_ids is not None \

@@ -40,14 +40,25 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="headless Service of the decode (or colocated) engines; its DNS name is "
                         "re-resolved to pod addresses every --resolve-interval-s")
     d.add_argument("--prefill-service", default=None, metavar="HOST:PORT",
-                   help="headless Service of prefill engines (accepted; disaggregated routing comes "
-                        "with prefill/decode roles)")
+                   help="headless Service of prefill engines (`kvmesh serve --role prefill`): requests then run "
+                        "in two stages, prefill there and decode on the --engines/--decode-service pool "
+                        "(`--role decode`); see docs/disagg.md")
+    d.add_argument("--prefill-engines", default=None, metavar="URL,...",
+                   help="fixed prefill engine list (the --prefill-service of a local setup)")
     d.add_argument("--cache-service", default=None, metavar="HOST:PORT",
                    help="KV cache node Service (accepted; remote-tier hits arrive as KV events)")
     d.add_argument("--resolve-interval-s", type=float, default=5.0, metavar="SECONDS")
     d.add_argument("--health-interval-s", type=float, default=2.0, metavar="SECONDS")
     d.add_argument("--sync-timeout-s", type=float, default=60.0, metavar="SECONDS",
                    help="how long startup waits for every engine's KV snapshot (default: %(default)s)")
+
+    pd = p.add_argument_group("prefill/decode disaggregation (with --prefill-service or --prefill-engines)")
+    pd.add_argument("--pd-queue-timeout", type=float, default=30.0, metavar="SECONDS",
+                    help="how long a request may wait while every decode engine refuses it for lack of KV room "
+                         "before it is answered 503 no_decode_capacity (default: %(default)s)")
+    pd.add_argument("--pd-max-queued", type=int, default=256, metavar="N",
+                    help="requests that may wait that way at once; more are answered 503 at once "
+                         "(default: %(default)s)")
 
     m = p.add_argument_group("model (for tokenizing prompts exactly as the engines do)")
     m.add_argument("--model", default="default",
@@ -116,8 +127,10 @@ def settings_from_args(args: argparse.Namespace):  # -> RouterSettings
     try:
         engines = tuple(parse_engine_urls(args.engines)) if args.engines else ()
         services = (parse_hostport(args.decode_service, "--decode-service"),) if args.decode_service else ()
-        if args.prefill_service:
-            parse_hostport(args.prefill_service, "--prefill-service")
+        prefill_engines = (tuple(parse_engine_urls(args.prefill_engines, "--prefill-engines"))
+                           if args.prefill_engines else ())
+        prefill_services = ((parse_hostport(args.prefill_service, "--prefill-service"),)
+                            if args.prefill_service else ())
         if args.cache_service:
             parse_hostport(args.cache_service, "--cache-service")
     except DiscoveryError as e:
@@ -126,8 +139,17 @@ def settings_from_args(args: argparse.Namespace):  # -> RouterSettings
         raise RouterArgsError("no engines to route to: pass --engines URL,... or --decode-service HOST:PORT")
     if args.session_idle_s <= 0 or args.max_attempts < 1 or args.max_running_per_engine < 0:
         raise RouterArgsError("--session-idle-s must be > 0, --max-attempts >= 1, --max-running-per-engine >= 0")
+    if args.pd_queue_timeout < 0 or args.pd_max_queued < 0:
+        raise RouterArgsError("--pd-queue-timeout and --pd-max-queued must be >= 0 (0: answer 503 as soon as every "
+                              "decode engine refused)")
+    overlap = set(engines) & set(prefill_engines)
+    if overlap:
+        raise RouterArgsError(f"{', '.join(sorted(overlap))} is in both --engines and --prefill-engines; an engine "
+                              "serves one role (--engines lists the decode engines)")
     return RouterSettings(
-        policy=args.policy, engines=engines, services=services, session_idle_s=args.session_idle_s,
+        policy=args.policy, engines=engines, services=services, prefill_engines=prefill_engines,
+        prefill_services=prefill_services, pd_queue_timeout_s=args.pd_queue_timeout,
+        pd_max_queued=args.pd_max_queued, session_idle_s=args.session_idle_s,
         load=LoadModel(args.running_cost_tokens, args.max_running_per_engine), max_attempts=args.max_attempts,
         resolve_interval_s=args.resolve_interval_s, health_interval_s=args.health_interval_s,
         sync_timeout_s=args.sync_timeout_s)
@@ -151,9 +173,6 @@ def handler(args: argparse.Namespace) -> int:
         except Exception as e:  # noqa: BLE001 - routing by load beats a crash-looping front door
             log.error("cannot load the tokenizer (%s); policy %s routes by load only until restarted with "
                       "--model-path pointing at the engines' model", e, args.policy)
-    if args.prefill_service:
-        log.info("prefill service %s noted; requests go to the decode pool until disaggregated serving lands",
-                 args.prefill_service)
     import uvicorn
 
     from kvmesh.engine.router.app import RouterApp

@@ -25,8 +25,9 @@ from typing import Any
 import aiohttp
 
 from kvmesh.engine.kv.events import KVEventRecord, KVSnapshot
-from kvmesh.engine.router.index import PrefixIndex
+from kvmesh.engine.router.index import PrefixIndex, PrefixMatch
 from kvmesh.engine.router.policies import Endpoint
+from kvmesh.engine.router.prompt import PromptInfo, common_hash_spec
 
 log = logging.getLogger("kvmesh.router.discovery")
 
@@ -52,14 +53,14 @@ def parse_hostport(text: str, flag: str) -> ServiceSource:
     return ServiceSource(host, int(port))
 
 
-def parse_engine_urls(text: str) -> list[str]:
-    """``--engines`` as normalized base URLs (no trailing slash)."""
+def parse_engine_urls(text: str, flag: str = "--engines") -> list[str]:
+    """``--engines`` (or ``--prefill-engines``) as normalized base URLs (no trailing slash)."""
     urls = [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
     for u in urls:
         if not u.startswith(("http://", "https://")):
-            raise DiscoveryError(f"--engines: {u!r} is not an http(s) URL, e.g. http://127.0.0.1:8001")
+            raise DiscoveryError(f"{flag}: {u!r} is not an http(s) URL, e.g. http://127.0.0.1:8001")
     if not urls:
-        raise DiscoveryError("--engines: give at least one engine URL")
+        raise DiscoveryError(f"{flag}: give at least one engine URL")
     return urls
 
 
@@ -73,24 +74,51 @@ def membership_change(current: Iterable[str], wanted: Iterable[str]) -> tuple[li
     return sorted(want - cur), sorted(cur - want)
 
 
-def engine_load_from_metrics(text: str) -> int | None:
-    """Running + waiting sequences from an engine's ``/metrics`` text (None if absent).
+@dataclass(frozen=True)
+class EngineReport:
+    """What one ``/metrics`` scrape tells the router: running + waiting sequences and free KV
+    blocks of the primary pool (each None when the engine does not report it)."""
+
+    load: int | None = None
+    free_blocks: int | None = None
+
+
+_LOAD_GAUGES = ("kvmesh_num_requests_running", "kvmesh_num_requests_waiting")
+_FREE_BLOCKS_GAUGE = "kvmesh_kv_cache_free_blocks"
+
+
+def engine_report_from_metrics(text: str) -> EngineReport:
+    """An ``EngineReport`` from an engine's ``/metrics`` text.
 
     A line scan instead of a full exposition parse: it runs every probe interval per engine.
+    The name must end at ``{`` or a space, so a longer metric sharing the prefix never counts.
     """
-    total, seen = 0.0, False
+    load, free, seen_load = 0.0, None, False
     for line in text.splitlines():
-        if line.startswith(("kvmesh_num_requests_running", "kvmesh_num_requests_waiting")):
+        if not line.startswith("kvmesh_"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _LOAD_GAUGES:
             with contextlib.suppress(ValueError, IndexError):
-                total += float(line.rsplit(" ", 1)[1])
-                seen = True
-    return int(total) if seen else None
+                load += float(line.rsplit(" ", 1)[1])
+                seen_load = True
+        elif name == _FREE_BLOCKS_GAUGE and ('tier="' not in line or 'tier="gpu"' in line):
+            # Only the primary pool's row: blocks a decode engine can reserve for a transfer.
+            with contextlib.suppress(ValueError, IndexError):
+                free = int(float(line.rsplit(" ", 1)[1]))
+    return EngineReport(int(load) if seen_load else None, free)
+
+
+def engine_load_from_metrics(text: str) -> int | None:
+    """Running + waiting sequences from an engine's ``/metrics`` text (None if absent)."""
+    return engine_report_from_metrics(text).load
 
 
 @dataclass
 class EngineState:
     """One engine as the router sees it. ``inflight`` and ``queued_prefill_tokens`` are the
-    router's own accounting; ``reported_load`` is the engine's last scraped running+waiting."""
+    router's own accounting; ``reported_load`` and ``free_blocks`` are the engine's last scraped
+    running+waiting sequences and free KV blocks (None until reported)."""
 
     url: str
     healthy: bool = False
@@ -98,6 +126,7 @@ class EngineState:
     inflight: int = 0
     queued_prefill_tokens: int = 0
     reported_load: int = 0
+    free_blocks: int | None = None
     info: dict[str, Any] | None = None
     subscriber: Any = None
     task: asyncio.Task | None = None
@@ -111,6 +140,12 @@ class EngineState:
         return bytes.fromhex(self.info["extra_key"]) if self.info and self.info.get("extra_key") else None
 
     @property
+    def transfer_port(self) -> int | None:
+        """The KV transfer port a decode engine reports in ``/kv/info`` (None: it receives no KV)."""
+        port = self.info.get("transfer_port") if self.info else None
+        return int(port) if port else None
+
+    @property
     def synced(self) -> bool:
         """Initial KV state loaded (engines that publish no events count as synced)."""
         if self.info is None:
@@ -119,7 +154,7 @@ class EngineState:
 
     def endpoint(self) -> Endpoint:
         return Endpoint(self.url, self.healthy, self.draining, max(self.inflight, self.reported_load),
-                        self.queued_prefill_tokens)
+                        self.queued_prefill_tokens, self.free_blocks)
 
 
 SubscriberFactory = Callable[[str, dict[str, Any], Callable[..., None], Callable[[KVSnapshot], None]], Any]
@@ -156,6 +191,23 @@ class Fleet:
     # ---- views ---------------------------------------------------------------------------
     def endpoints(self) -> list[Endpoint]:
         return [e.endpoint() for e in self.engines.values()]
+
+    def prefix_matches(self, info: PromptInfo) -> tuple[dict[str, PrefixMatch], int]:
+        """(each engine's longest cached prefix of the prompt, the block size they are in blocks of).
+
+        Only engines hashing with the pool's majority (block size, extra key) are matched: a
+        hash chain computed for another spec names other blocks. Empty when the prompt is not
+        tokenized.
+        """
+        if not info.token_ids:
+            return {}, 16
+        spec = common_hash_spec([(e.block_size, e.extra) for e in self.engines.values()])
+        if spec is None:
+            return {}, 16
+        block_size, extra = spec
+        hashes = info.hashes(block_size, extra)
+        return {url: self.index.match(url, hashes) for url, st in self.engines.items()
+                if st.block_size == block_size and st.extra == extra}, block_size
 
     def num_healthy(self) -> int:
         return sum(1 for e in self.engines.values() if e.healthy)
@@ -255,8 +307,11 @@ class Fleet:
             if ok:
                 async with self.session.get(state.url + "/metrics", timeout=timeout) as r:
                     if r.status == 200:
-                        load = engine_load_from_metrics(await r.text())
-                        state.reported_load = load if load is not None else state.reported_load
+                        report = engine_report_from_metrics(await r.text())
+                        if report.load is not None:
+                            state.reported_load = report.load
+                        if report.free_blocks is not None:
+                            state.free_blocks = report.free_blocks
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             ok = False
             if state.healthy:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from prometheus_client import Histogram
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvmesh.engine.server.metrics_util import (
@@ -69,3 +69,61 @@ class RouterMetrics:
 
     def count(self, engine: str, outcome: str) -> None:
         self.requests.labels(self.policy, engine, outcome).inc()
+
+
+class PDMetrics:
+    """The two-stage flow's metrics (``kvmesh_router_pd_*``), registered on the router's registry
+    only when a prefill pool is configured, so a colocated router exposes none of them.
+
+    Requests that complete are still counted by ``kvmesh_router_requests_total`` under the decode
+    engine that answered; ``kvmesh_router_upstream_ttft_seconds`` then spans stage 1 and stage 2's
+    first byte (what the client waits for, less routing).
+    """
+
+    def __init__(self, registry: CollectorRegistry, prefill_healthy: Callable[[], int],
+                 queued: Callable[[], int], stage1_outcomes: Iterable[str], fallback_reasons: Iterable[str]) -> None:
+        r = registry
+        self.stage1 = histogram(r, "kvmesh_router_pd_stage1_seconds",
+                                "Successful stage 1 as the router sees it: from the POST to a prefill engine to its "
+                                "kv_transfer answer (its queue, the prefill and the KV transfer to the decode "
+                                "engine).", REQUEST_LATENCY_BUCKETS)
+        self.stage1_answers = counter(r, "kvmesh_router_pd_stage1_total",
+                                      "Stage-1 answers by outcome: ok, decode_no_room, decode_failed, prefill_failed "
+                                      "(connection error, 5xx or 429 from the prefill engine), relayed (4xx).",
+                                      ("outcome",))
+        self.refusals = counter(r, "kvmesh_router_pd_decode_refusals_total",
+                                "Reservations a decode engine refused (decode_no_room), by decode engine.",
+                                ("engine",))
+        self.restarts = counter(r, "kvmesh_router_pd_restarts_total",
+                                "Requests started over at stage 1 because stage 2 failed before its first byte, by "
+                                "reason (transfer_not_found, connect, status, disconnect).", ("reason",))
+        self.queue_wait = histogram(r, "kvmesh_router_pd_queue_wait_seconds",
+                                    "Time requests waited because every decode engine refused them (observed when "
+                                    "each leaves the wait: placed, rejected or gone).", REQUEST_LATENCY_BUCKETS)
+        self.queue_rejected = counter(r, "kvmesh_router_pd_queue_rejected_total",
+                                      "Requests answered 503 no_decode_capacity, by reason (timeout: "
+                                      "--pd-queue-timeout passed; full: --pd-max-queued requests were waiting).",
+                                      ("reason",))
+        self.fallback = counter(r, "kvmesh_router_pd_fallback_total",
+                                "Requests served plain by a decode engine instead of in two stages, by reason.",
+                                ("reason",))
+        self.blocks_sent = counter(r, "kvmesh_router_pd_blocks_sent_total",
+                                   "KV blocks prefill engines sent to decode engines (from stage-1 answers).")
+        self.decode_hit_blocks = counter(r, "kvmesh_router_pd_decode_hit_blocks_total",
+                                         "Prompt blocks the chosen decode engine already held, so were not sent.")
+        # Every label value exists from the start, so rates over them are defined before the first event.
+        for outcome in stage1_outcomes:
+            self.stage1_answers.labels(outcome)
+        for reason in fallback_reasons:
+            self.fallback.labels(reason)
+        for reason in ("timeout", "full"):
+            self.queue_rejected.labels(reason)
+        self._prefill_healthy = prefill_healthy
+        self._queued = queued
+        r.register(CallbackCollector(self._collect))
+
+    def _collect(self) -> Iterable[Metric]:
+        yield gauge_family("kvmesh_router_prefill_engines_healthy", "Prefill engines that pass their readiness "
+                           "probe.", self._prefill_healthy())
+        yield gauge_family("kvmesh_router_pd_queued", "Requests waiting now because every decode engine refused "
+                           "them.", self._queued())

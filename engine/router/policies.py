@@ -37,7 +37,9 @@ class Endpoint:
     ``running`` counts requests in flight (the router's own count, raised to what the engine
     last reported when that is higher: other router replicas send work too);
     ``queued_prefill_tokens`` is the uncached prompt tokens this router sent that have not
-    produced a first token yet.
+    produced a first token yet; ``free_blocks`` the free KV blocks the engine last reported in
+    its ``/metrics`` (None: not reported), read by the decode-pool policy of disaggregated
+    serving.
     """
 
     id: str
@@ -45,6 +47,7 @@ class Endpoint:
     draining: bool = False
     running: int = 0
     queued_prefill_tokens: int = 0
+    free_blocks: int | None = None
 
 
 @dataclass(frozen=True)

@@ -107,13 +107,23 @@ async def send_error(send: Send, err: APIError) -> None:
     await send_json(send, err.status, _encode(err.body()), extra)
 
 
+def all_engines_down(tried: list[str]) -> APIError:
+    detail = f"; tried: {'; '.join(tried)}" if tried else ""
+    return APIError(f"no engine is available to serve this request{detail}. Retry shortly.", 503,
+                    "service_unavailable", "no_engine_available", None, {"Retry-After": "1"})
+
+
 def sse_error(err: APIError) -> bytes:
     return b"data: " + _encode(err.body()) + b"\n\n" + SSE_DONE
 
 
 async def attempt(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str],
-                  send: Send, hooks: Hooks, timeout: aiohttp.ClientTimeout) -> Retry | Done:
+                  send: Send, hooks: Hooks, timeout: aiohttp.ClientTimeout,
+                  retry_statuses: frozenset[int] = RETRY_STATUSES) -> Retry | Done:
     """POST ``body`` to ``url`` and relay the answer to ``send`` (see the module doc).
+
+    An answer with a status in ``retry_statuses`` is returned as ``Retry`` (with its body)
+    instead of relayed, so the caller decides what the client sees.
 
     Cancelling the task that runs this (the client went away) closes the upstream connection,
     which the engine takes as a disconnect and aborts the request.
@@ -125,7 +135,7 @@ async def attempt(session: aiohttp.ClientSession, url: str, body: bytes, headers
         return Retry("connect", f"{type(e).__name__}: {e}", engine_down=True)
     complete = False
     try:
-        if resp.status in RETRY_STATUSES:
+        if resp.status in retry_statuses:
             data = await resp.read()
             complete = True
             return Retry("status", f"HTTP {resp.status}", engine_down=resp.status == 503, status=resp.status,

@@ -56,14 +56,15 @@ class FakeEngine:
         path = scope["path"]
         if path == "/ready":
             ok = self.behavior.ready
-            return await _json(send, 200 if ok else 503, {"ready": ok, "state": "ready" if ok else "loading"})
+            return await json_response(send, 200 if ok else 503,
+                                       {"ready": ok, "state": "ready" if ok else "loading"})
         if path == "/metrics":
-            return await _text(send, 200, "kvmesh_num_requests_running 0\nkvmesh_num_requests_waiting 0\n")
+            return await _text(send, 200, self.metrics_text())
         if path == "/kv/info":
-            return await _json(send, 200, {"engine_id": self.name, "block_size": BLOCK_SIZE,
-                                           "hash_function": "sha256", "extra_key": EXTRA.hex(), "kv_events": self.kv_events})
+            return await json_response(send, 200, self.kv_info())
         if path.startswith("/v1/models"):
-            return await _json(send, 200, {"object": "list", "data": [{"id": "fake-model", "owned_by": self.name}]})
+            return await json_response(send, 200, {"object": "list",
+                                                   "data": [{"id": "fake-model", "owned_by": self.name}]})
         body = b""
         while True:
             msg = await receive()
@@ -72,22 +73,38 @@ class FakeEngine:
                 break
         req = json.loads(body)
         self.requests.append(req)
+        await self.handle(req, receive, send)
+
+    def metrics_text(self) -> str:
+        return "kvmesh_num_requests_running 0\nkvmesh_num_requests_waiting 0\n"
+
+    def kv_info(self) -> dict[str, Any]:
+        return {"engine_id": self.name, "block_size": BLOCK_SIZE, "hash_function": "sha256",
+                "extra_key": EXTRA.hex(), "kv_events": self.kv_events}
+
+    async def handle(self, req: dict[str, Any], receive: Any, send: Any) -> None:
+        """Answer one generation request as ``behavior`` scripts."""
         b = self.behavior
         if b.mode == "status":
-            return await _json(send, b.status, b.body or {"error": {"message": "scripted", "type": "x",
-                                                                   "param": None, "code": "scripted"}})
+            return await json_response(send, b.status, b.body or {"error": {"message": "scripted", "type": "x",
+                                                                          "param": None, "code": "scripted"}})
         if b.mode == "die_before_first":
             # Headers out, then the connection drops before any body byte (an exception before
             # the head would make uvicorn answer a clean 500 instead).
             ctype = b"text/event-stream" if req.get("stream") else b"application/json"
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype)]})
             raise RuntimeError("scripted death before the first byte")
+        await self.generate(req, receive, send)
+
+    async def generate(self, req: dict[str, Any], receive: Any, send: Any) -> None:
+        """A normal answer (streamed when asked), each chunk naming this engine."""
+        b = self.behavior
         usage = {"prompt_tokens": 10, "completion_tokens": b.chunks, "total_tokens": 10 + b.chunks,
                  "prompt_tokens_details": {"cached_tokens": b.cached_tokens}}
         if not req.get("stream"):
-            return await _json(send, 200, {"id": "x", "object": "text_completion", "model": "fake-model",
-                                           "engine": self.name, "choices": [{"index": 0, "text": "abc"}],
-                                           "usage": usage})
+            return await json_response(send, 200, {"id": "x", "object": "text_completion", "model": "fake-model",
+                                                   "engine": self.name, "choices": [{"index": 0, "text": "abc"}],
+                                                   "usage": usage})
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         for i in range(b.chunks):
@@ -109,7 +126,7 @@ class FakeEngine:
         await send({"type": "http.response.body", "body": (tail + "data: [DONE]\n\n").encode()})
 
 
-async def _json(send: Any, status: int, doc: Any) -> None:
+async def json_response(send: Any, status: int, doc: Any) -> None:
     body = json.dumps(doc).encode()
     await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body})
