@@ -1,4 +1,5 @@
-"""`kvmesh up`: the local platform (a router in front of N colocated engines) as child processes.
+"""`kvmesh up`: the local platform as child processes: a router in front of N colocated engines
+(`--engines N`), or of N prefill and M decode engines (`--prefill N --decode M`, docs/disagg.md).
 
 The plan (which processes, with which command lines, ports and thread counts) is a pure
 function of the options, tested directly; the supervisor only starts what the plan says,
@@ -25,9 +26,17 @@ from pathlib import Path
 _LOG_TAIL_LINES = 30
 
 
+DEFAULT_ENGINES = 2
+
+
 @dataclass(frozen=True)
 class UpOptions:
-    engines: int = 2
+    """``engines``: colocated engines (None: ``DEFAULT_ENGINES`` unless ``prefill``/``decode`` are
+    given, which are the disaggregated form of the same choice: N prefill, M decode engines)."""
+
+    engines: int | None = None
+    prefill: int = 0
+    decode: int = 0
     host: str = "127.0.0.1"
     port: int = 8000
     engine_base_port: int = 8100
@@ -41,6 +50,11 @@ class UpOptions:
     cache_node_port: int = 8090  # its HTTP port; its UCX port is the next one
     cache_node_memory: str = "1GiB"
     cpu_kv_bytes: str | None = None  # each engine's host KV tier
+    kv_transfer_base_port: int = 8200  # decode engine j receives KV (UCX) on this port + j
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill or self.decode)
 
 
 @dataclass(frozen=True)
@@ -66,20 +80,42 @@ def threads_per_engine(engines: int, cores: int, requested: int | None) -> int:
     return max(1, cores // max(1, engines))
 
 
+def engine_roles(opts: UpOptions) -> list[tuple[str, str]]:
+    """(process name, `kvmesh serve --role`) of every engine, in start order: prefill engines
+    before decode engines; engine i (over all of them) gets the i-th HTTP and KV event ports."""
+    if opts.disaggregated:
+        if opts.engines is not None:
+            raise UpError("--engines N runs colocated engines, --prefill N --decode M disaggregated ones: "
+                          "give one form, not both")
+        if opts.prefill < 1 or opts.decode < 1:
+            raise UpError(f"--prefill and --decode must both be >= 1 (a disaggregated platform needs both pools), "
+                          f"got --prefill {opts.prefill} --decode {opts.decode}")
+        return [(f"prefill-{i}", "prefill") for i in range(opts.prefill)] + \
+            [(f"decode-{j}", "decode") for j in range(opts.decode)]
+    engines = DEFAULT_ENGINES if opts.engines is None else opts.engines
+    if engines < 1:
+        raise UpError(f"--engines must be >= 1, got {engines}")
+    return [(f"engine-{i}", "both") for i in range(engines)]
+
+
 def plan(opts: UpOptions, cores: int) -> list[ProcSpec]:
     """The cache node (with --cache-node), the engines, then the router that fronts them: the order
     they are started in (and stopped in reverse)."""
-    if opts.engines < 1:
-        raise UpError(f"--engines must be >= 1, got {opts.engines}")
-    ports = [opts.port] + [opts.engine_base_port + i for i in range(opts.engines)]
-    ports += [opts.kv_events_base_port + 2 * i + k for i in range(opts.engines) for k in (0, 1)]
+    roles = engine_roles(opts)
+    n = len(roles)
+    decoders = [i for i, (_, role) in enumerate(roles) if role == "decode"]
+    transfer_port = {i: opts.kv_transfer_base_port + j for j, i in enumerate(decoders)}
+    ports = [opts.port] + [opts.engine_base_port + i for i in range(n)]
+    ports += [opts.kv_events_base_port + 2 * i + k for i in range(n) for k in (0, 1)]
+    ports += list(transfer_port.values())
     if opts.cache_node:
         ports += [opts.cache_node_port, opts.cache_node_port + 1]
     if len(set(ports)) != len(ports) or any(not 0 < p < 65536 for p in ports):
+        transfer = f", the KV transfer ports ({opts.kv_transfer_base_port}+j)" if decoders else ""
         raise UpError(f"the router port, the engine ports ({opts.engine_base_port}+i), the KV event ports "
-                      f"({opts.kv_events_base_port}+2i, +2i+1) and the cache node's ports (HTTP, UCX = HTTP+1) "
-                      f"must be distinct valid ports: {sorted(ports)}")
-    threads = threads_per_engine(opts.engines, cores, opts.threads)
+                      f"({opts.kv_events_base_port}+2i, +2i+1){transfer} and the cache node's ports "
+                      f"(HTTP, UCX = HTTP+1) must be distinct valid ports: {sorted(ports)}")
+    threads = threads_per_engine(n, cores, opts.threads)
     # Each engine is told its thread count; the env keeps OpenMP/BLAS pools from oversubscribing.
     env = {"OMP_NUM_THREADS": str(threads)}
     specs: list[ProcSpec] = []
@@ -92,17 +128,25 @@ def plan(opts: UpOptions, cores: int) -> list[ProcSpec]:
         cache_args = ["--cache-node", node]
     if opts.cpu_kv_bytes:
         cache_args += ["--cpu-kv-bytes", opts.cpu_kv_bytes]
-    first_engine = len(specs)
-    for i in range(opts.engines):
+    urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
+    for i, (name, role) in enumerate(roles):
         port = opts.engine_base_port + i
         args = ["serve", "--model", opts.model, "--host", opts.host, "--port", str(port),
                 "--num-threads", str(threads), "--kv-events-port", str(opts.kv_events_base_port + 2 * i)]
+        if role != "both":
+            args += ["--role", role]
+        if role == "decode":
+            args += ["--kv-transfer-port", str(transfer_port[i])]
         if opts.kv_cache_bytes:
             args += ["--kv-cache-bytes", opts.kv_cache_bytes]
         args += cache_args
-        specs.append(ProcSpec(f"engine-{i}", tuple(args + list(opts.serve_args)), f"http://{opts.host}:{port}", env))
-    router = ["router", "--engines", ",".join(s.url for s in specs[first_engine:]), "--policy", opts.policy,
-              "--model", opts.model, "--host", opts.host, "--port", str(opts.port)]
+        url = f"http://{opts.host}:{port}"
+        urls[role].append(url)
+        specs.append(ProcSpec(name, tuple(args + list(opts.serve_args)), url, env))
+    router = ["router", "--engines", ",".join(urls["decode"] or urls["both"])]
+    if urls["prefill"]:
+        router += ["--prefill-engines", ",".join(urls["prefill"])]
+    router += ["--policy", opts.policy, "--model", opts.model, "--host", opts.host, "--port", str(opts.port)]
     specs.append(ProcSpec("router", tuple(router), f"http://{opts.host}:{opts.port}"))
     return specs
 
@@ -168,7 +212,7 @@ def status_line(child: Child) -> str:
 
     state = "ready" if child.ready else "starting"
     line = f"{child.spec.name:<9} pid {child.proc.pid:<7} {state:<8} {child.spec.url}"
-    if not child.ready or not child.spec.name.startswith("engine"):
+    if not child.ready or child.spec.name.startswith(("router", "cache-node")):
         return line
     try:
         samples = parse_samples(httpx.get(child.spec.url + "/metrics", timeout=2).text)
@@ -301,13 +345,21 @@ class Supervisor:
 def add_up_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "up", help="run the local platform: a router in front of N engines on the default model",
-        description="Start a cache-aware router and N colocated engines as local processes, print the "
-                    "OpenAI API URL and a status line per process; Ctrl-C or SIGTERM stops them all.")
-    p.add_argument("--engines", type=int, default=2, help="colocated engines (default: %(default)s)")
+        description="Start a cache-aware router and N colocated engines (or N prefill and M decode engines) as "
+                    "local processes, print the OpenAI API URL and a status line per process; Ctrl-C or SIGTERM "
+                    "stops them all.")
+    p.add_argument("--engines", type=int, default=None,
+                   help=f"colocated engines (default: {DEFAULT_ENGINES} unless --prefill/--decode are given)")
+    p.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="prefill engines (`kvmesh serve --role prefill`); with --decode, instead of --engines")
+    p.add_argument("--decode", type=int, default=0, metavar="M",
+                   help="decode engines (`kvmesh serve --role decode`) that receive KV from the prefill engines")
+    p.add_argument("--kv-transfer-base-port", type=int, default=8200,
+                   help="decode engine j receives KV on this port + j (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address every process binds (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="the router's port (default: %(default)s)")
     p.add_argument("--engine-base-port", type=int, default=8100,
-                   help="engine i listens on this port + i (default: %(default)s)")
+                   help="engine i listens on this port + i, prefill engines first (default: %(default)s)")
     p.add_argument("--kv-events-base-port", type=int, default=5557,
                    help="engine i publishes KV events on this port + 2i, replay on + 2i + 1 (default: %(default)s)")
     p.add_argument("--model", default="default", help="model for every engine (default: the embedded model)")
@@ -335,7 +387,9 @@ def add_up_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handler(args: argparse.Namespace) -> int:
-    opts = UpOptions(engines=args.engines, host=args.host, port=args.port, engine_base_port=args.engine_base_port,
+    opts = UpOptions(engines=args.engines, prefill=args.prefill, decode=args.decode,
+                     kv_transfer_base_port=args.kv_transfer_base_port, host=args.host, port=args.port,
+                     engine_base_port=args.engine_base_port,
                      kv_events_base_port=args.kv_events_base_port, model=args.model, policy=args.policy,
                      threads=args.threads, kv_cache_bytes=args.kv_cache_bytes, serve_args=tuple(args.serve_arg),
                      cache_node=args.cache_node, cache_node_port=args.cache_node_port,

@@ -76,6 +76,61 @@ def test_cache_node_starts_first_and_every_engine_uses_it() -> None:
     assert "--cache-node" not in plan(UpOptions(engines=1), cores=2)[0].args
 
 
+def test_disaggregated_plan_starts_prefill_then_decode_engines_behind_a_two_stage_router() -> None:
+    specs = plan(UpOptions(prefill=1, decode=2, port=9000, engine_base_port=9100, kv_events_base_port=6000,
+                           kv_transfer_base_port=9200), cores=6)
+    assert [s.name for s in specs] == ["prefill-0", "decode-0", "decode-1", "router"]
+    assert [s.url for s in specs[:-1]] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101", "http://127.0.0.1:9102"]
+
+    def arg(spec: ProcSpec, flag: str) -> str | None:
+        return spec.args[spec.args.index(flag) + 1] if flag in spec.args else None
+
+    assert [arg(s, "--role") for s in specs[:-1]] == ["prefill", "decode", "decode"]
+    assert [arg(s, "--kv-transfer-port") for s in specs[:-1]] == [None, "9200", "9201"]
+    assert [arg(s, "--kv-events-port") for s in specs[:-1]] == ["6000", "6002", "6004"]
+    assert all(arg(s, "--num-threads") == "2" and s.env["OMP_NUM_THREADS"] == "2" for s in specs[:-1])
+    router = specs[-1]
+    assert arg(router, "--engines") == "http://127.0.0.1:9101,http://127.0.0.1:9102"  # the decode pool
+    assert arg(router, "--prefill-engines") == "http://127.0.0.1:9100"
+    parser = build_parser()
+    for spec in specs:
+        args = parser.parse_args(list(spec.args))
+        assert args.func is not None, spec
+    engines = [parser.parse_args(list(s.args)) for s in specs[:-1]]
+    assert [(a.role, a.kv_transfer_port) for a in engines] == [("prefill", 0), ("decode", 9200), ("decode", 9201)]
+    from kvmesh.engine.router.cli import settings_from_args
+
+    settings = settings_from_args(parser.parse_args(list(router.args)))
+    assert settings.disaggregated and settings.prefill_engines == ("http://127.0.0.1:9100",)
+    assert "--role" not in plan(UpOptions(engines=1), cores=2)[0].args  # colocated engines keep the default
+
+
+def test_threads_split_over_every_engine_of_both_pools() -> None:
+    specs = plan(UpOptions(prefill=2, decode=2), cores=16)
+    assert {s.args[s.args.index("--num-threads") + 1] for s in specs[:-1]} == {"4"}
+
+
+@pytest.mark.parametrize("opts,match", [
+    (UpOptions(engines=2, prefill=1, decode=1), "give one form, not both"),
+    (UpOptions(prefill=1), "must both be >= 1"),
+    (UpOptions(decode=2), "must both be >= 1"),
+    (UpOptions(prefill=1, decode=1, kv_transfer_base_port=8100), "KV transfer ports"),  # prefill-0's HTTP port
+    (UpOptions(prefill=1, decode=2, kv_transfer_base_port=5560), "must be distinct"),  # decode-1's KV events
+    (UpOptions(prefill=1, decode=1, kv_transfer_base_port=8000), "must be distinct"),  # the router
+    (UpOptions(prefill=1, decode=1, cache_node=True, cache_node_port=8199), "must be distinct"),  # UCX 8200
+])
+def test_impossible_disaggregated_plans_are_refused_with_a_reason(opts: UpOptions, match: str) -> None:
+    with pytest.raises(UpError, match=match):
+        plan(opts, cores=2)
+
+
+def test_up_flags_reach_the_plan() -> None:
+    args = build_parser().parse_args(["up", "--prefill", "1", "--decode", "2", "--kv-transfer-base-port", "7000"])
+    assert (args.engines, args.prefill, args.decode, args.kv_transfer_base_port) == (None, 1, 2, 7000)
+    assert build_parser().parse_args(["up"]).engines is None  # DEFAULT_ENGINES colocated engines
+    assert [s.name for s in plan(UpOptions(), cores=2)] == ["engine-0", "engine-1", "router"]
+
+
 @pytest.mark.parametrize("port", [8100, 8099, 5557])  # engine-0's port, UCX = 8100, a KV events port
 def test_cache_node_ports_must_not_collide(port: int) -> None:
     with pytest.raises(UpError, match="cache node"):
