@@ -37,6 +37,10 @@ ENGINE_PORT = 8000
 KV_EVENTS_PORT = 5557
 # A cache node's UCX listener (block transfers); engines find it in the node's /kv/info.
 CACHE_UCX_PORT = ENGINE_PORT + 1
+# A disaggregated decode engine's UCX listener, where prefill engines push KV; the router reads it
+# from the engine's /kv/info and hands it to the prefill engine. ENGINE_PORT + 1 is free in engine
+# pods (the cache node's UCX port is the same number, in other pods).
+KV_TRANSFER_PORT = ENGINE_PORT + 1
 CONFIG_DIR = "/etc/kvmesh"
 CONFIG_FILE = "kvmesh.yaml"
 MODEL_DIR = "/models"
@@ -209,6 +213,8 @@ def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[
             args += ["--cache-service", _endpoint(owner, "cache")]
         args += ["--kv-events-port", str(KV_EVENTS_PORT),
                  "--drain-timeout", str(drain_timeout_s(spec.component(component)))]
+        if role == "decode":
+            args += ["--kv-transfer-port", str(KV_TRANSFER_PORT)]
         return args + common
     if component == "cache":
         return ["kvmesh", "cache-node", "--memory", str(spec.cache.memory),
@@ -280,11 +286,18 @@ def _env(owner: Owner, component: str) -> list[dict[str, Any]]:
     ]
 
 
-def _container_ports(component: str) -> list[dict[str, Any]]:
+def _receives_kv(spec: s.InferenceSpec, component: str) -> bool:
+    """The decode pool of a disaggregated deployment: its engines listen for KV transfers."""
+    return component == "decode" and not spec.colocated
+
+
+def _container_ports(spec: s.InferenceSpec, component: str) -> list[dict[str, Any]]:
     ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
     if component in ("prefill", "decode"):
         ports += [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
                   {"name": "kv-replay", "containerPort": KV_EVENTS_PORT + 1, "protocol": "TCP"}]
+    if _receives_kv(spec, component):
+        ports.append({"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"})
     if component == "cache":
         ports.append({"name": "ucx", "containerPort": CACHE_UCX_PORT, "protocol": "TCP"})
     return ports
@@ -322,7 +335,7 @@ def render_deployment(
         # `command` rather than args alone: works whatever the image's ENTRYPOINT.
         "command": argv[:1],
         "args": argv[1:],
-        "ports": _container_ports(component),
+        "ports": _container_ports(spec, component),
         "env": _env(owner, component),
         "resources": _resources(c),
         "volumeMounts": mounts,
@@ -374,15 +387,19 @@ def render_deployment(
     }
 
 
-def render_service(owner: Owner, component: str) -> dict[str, Any]:
+def render_service(spec: s.InferenceSpec, owner: Owner, component: str) -> dict[str, Any]:
     """Headless for engine pools and cache nodes (the router resolves pod IPs),
-    ClusterIP for the router (the stable entry point)."""
+    ClusterIP for the router (the stable entry point). Besides HTTP, a Service lists the
+    ports peers dial on its pods: a cache node's UCX port, a decode engine's KV transfer port."""
     svc_spec: dict[str, Any] = {
         "selector": selector_labels(owner, component),
         "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
     }
     if component == "cache":
         svc_spec["ports"].append({"name": "ucx", "port": CACHE_UCX_PORT, "targetPort": "ucx", "protocol": "TCP"})
+    if _receives_kv(spec, component):
+        svc_spec["ports"].append({"name": "kv-transfer", "port": KV_TRANSFER_PORT, "targetPort": "kv-transfer",
+                                  "protocol": "TCP"})
     if component == "router":
         svc_spec["type"] = "ClusterIP"
     else:
@@ -414,5 +431,5 @@ def render_all(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
     out = [render_configmap(owner, config)]
     for component in s.COMPONENTS:
         out.append(render_deployment(spec, owner, component, config, replicas[component]))
-        out.append(render_service(owner, component))
+        out.append(render_service(spec, owner, component))
     return out

@@ -65,6 +65,9 @@ def test_colocated_serving_runs_both_phases_on_decode():
     assert deployment(objs, "prefill")["spec"]["replicas"] == 0
     assert argv(objs, "decode")[:4] == ["kvmesh", "serve", "--role", "both"]
     assert "--prefill-service" not in argv(objs, "router")
+    assert "--kv-transfer-port" not in argv(objs, "decode")  # a colocated engine receives no KV
+    assert "kv-transfer" not in {p["name"] for p in container(objs, "decode")["ports"]}
+    assert [p["name"] for p in by_key(objs)[("Service", "llm-decode")]["spec"]["ports"]] == ["http"]
 
 
 def test_no_cache_nodes_means_no_cache_service_argument():
@@ -203,13 +206,33 @@ def test_engines_publish_kv_events_on_exposed_ports(cr):
         args = argv(objs, c)
         assert args[args.index("--kv-events-port") + 1] == str(r.KV_EVENTS_PORT) == "5557"
         ports = {p["name"]: p["containerPort"] for p in container(objs, c)["ports"]}
-        assert ports == {"http": 8000, "kv-events": 5557, "kv-replay": 5558}
+        transfer = {"kv-transfer": 8001} if c == "decode" else {}
+        assert ports == {"http": 8000, "kv-events": 5557, "kv-replay": 5558, **transfer}
         parser = argparse.ArgumentParser()
         add_serve_arguments(parser)
         assert parser.parse_args(args[2:]).kv_events_port == 5557  # what `kvmesh serve` accepts
     for c in ("cache", "router"):
         assert "--kv-events-port" not in argv(objs, c)
     assert [p["name"] for p in container(objs, "router")["ports"]] == ["http"]
+
+
+def test_disaggregated_decode_engines_listen_for_kv_on_an_exposed_port(cr):
+    """Prefill engines push KV to the port a decode engine reports in /kv/info: the decode pool
+    is told a fixed one, and its container and headless Service carry it; prefill engines
+    dial out only."""
+    objs = r.render_all(cr)
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    decode = parser.parse_args(argv(objs, "decode")[2:])
+    assert (decode.role, decode.kv_transfer_port) == ("decode", r.KV_TRANSFER_PORT) == ("decode", 8001)
+    assert parser.parse_args(argv(objs, "prefill")[2:]).kv_transfer_port == 0
+    assert "--kv-transfer-port" not in argv(objs, "prefill")
+    assert {"name": "kv-transfer", "containerPort": 8001, "protocol": "TCP"} in container(objs, "decode")["ports"]
+    assert "kv-transfer" not in {p["name"] for p in container(objs, "prefill")["ports"]}
+    svc = by_key(objs)[("Service", "llm-decode")]["spec"]
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["ports"]} == {"http": (8000, "http"),
+                                                                               "kv-transfer": (8001, "kv-transfer")}
+    assert [p["name"] for p in by_key(objs)[("Service", "llm-prefill")]["spec"]["ports"]] == ["http"]
 
 
 def test_cache_nodes_expose_their_ucx_port(cr):

@@ -3,7 +3,8 @@
 A pod whose args the CLI rejects crash-loops, so this walks every component of a set of
 representative specs (colocated, disaggregated, with and without cache nodes, each model
 source and format, each router policy) through ``operator/render.py``'s ``component_args`` and
-``kvmesh.cli.build_parser``.
+``kvmesh.cli.build_parser``, and checks the flags land where they must: the engines' roles, the
+decode engines' KV transfer port, the router's prefill and decode pools.
 """
 
 from __future__ import annotations
@@ -66,10 +67,17 @@ def test_rendered_command_line_parses(name, raw, component):
     except SystemExit as e:  # argparse reports the offending flag on stderr
         pytest.fail(f"`{' '.join(argv)}` does not parse (exit {e.code})")
     assert callable(args.func)
+    if component in ("prefill", "decode"):
+        # A disaggregated deployment runs prefill and decode engines; the decode ones listen for KV.
+        assert args.role == ("both" if component == "decode" and spec.colocated else component)
+        assert args.kv_transfer_port == (r.KV_TRANSFER_PORT if args.role == "decode" else 0)
     if component == "router":
         assert args.policy == spec.router.policy
         settings = router_cli.settings_from_args(args)  # the flags also make valid settings
         assert [f"{x.host}:{x.port}" for x in settings.services] == [f"{r.service_host(OWNER, 'decode')}:8000"]
+        assert settings.disaggregated == (not spec.colocated)
+        prefill = [f"{x.host}:{x.port}" for x in settings.prefill_services]
+        assert prefill == ([] if spec.colocated else [f"{r.service_host(OWNER, 'prefill')}:8000"])
 
 
 def test_router_policies_match_the_crd():
