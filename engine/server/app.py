@@ -55,7 +55,7 @@ class ServerApp:
         aengine.on_dispatch_lag = self.metrics.observe_dispatch_lag
         self.serving = Serving(aengine, [], count_error=self.metrics.count_error)
         self.disagg = DisaggServing(role, aengine, self.serving, transfer_port=kv_transfer_port,
-                                    transfer_timeout_s=kv_transfer_timeout_s)
+                                    transfer_timeout_s=kv_transfer_timeout_s, observe=self.metrics.observe_handoff)
         self.app = self._build()
 
     def served_names(self) -> list[str]:

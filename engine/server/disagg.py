@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Future
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -42,7 +43,9 @@ class DisaggServing:
     """Role-specific request handling and the transfer endpoints it owns (started once loaded)."""
 
     def __init__(self, role: str, aengine: AsyncEngine, serving: Serving, *, transfer_port: int = 0,
-                 transfer_timeout_s: float = 30.0) -> None:
+                 transfer_timeout_s: float = 30.0,
+                 observe: Callable[[str, int, float | None], None] = lambda outcome, nbytes, seconds: None) -> None:
+        """``observe(outcome, bytes, seconds)`` counts each stage-1 handoff (the server's metrics)."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; use one of {', '.join(ROLES)}")
         self.role = role
@@ -52,8 +55,7 @@ class DisaggServing:
         self.transfer_timeout_s = transfer_timeout_s
         self.endpoint: Any = None  # decode: DecodeEndpoint
         self.links: Any = None  # prefill: DecodeLinks
-        self.handoffs = 0
-        self.handoff_failures: dict[str, int] = {}
+        self._observe = observe
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def on_loaded(self) -> None:
@@ -99,7 +101,7 @@ class DisaggServing:
         return await self._decode(prep, kvp, request, arrival)
 
     def _failed(self, code: str) -> None:
-        self.handoff_failures[code] = self.handoff_failures.get(code, 0) + 1
+        self._observe(code, 0, None)
 
     async def _prefill(self, prep: Prepared, kvp: KVTransferParams, request: Request, arrival: float) -> JSONResponse:
         from kvmesh.engine.disagg.prefill_link import Refused
@@ -120,10 +122,11 @@ class DisaggServing:
         try:
             res = await self.links.reserve(host, port, tid, prompt, params.max_tokens)
         except Refused as e:
-            self._failed(e.kind)
             if e.kind == protocol.ERR_NO_ROOM:
+                self._failed("decode_no_room")
                 raise _err(f"decode engine {host}:{port} has no room: {e}", 503, "decode_no_room",
                            {"Retry-After": "1"}) from None
+            self._failed("decode_too_large" if e.kind == protocol.ERR_TOO_LARGE else "decode_failed")
             if e.kind == protocol.ERR_TOO_LARGE:
                 raise _err(str(e), 400, "decode_too_large") from None
             raise _err(f"decode engine {host}:{port} refused the transfer ({e.kind}): {e}", 502,
@@ -167,7 +170,7 @@ class DisaggServing:
             raise _err(f"KV transfer to decode engine {host}:{port} failed: {e}", 502, "decode_failed") from None
         finally:
             engine.release_handoff(handoff.request_id, DECODE)
-        self.handoffs += 1
+        self._observe("ok", pushed.nbytes, pushed.seconds)
         return JSONResponse({
             "object": "kv_transfer", "transfer_id": tid, "prompt_tokens": handoff.num_prompt_tokens,
             "cached_tokens": handoff.first.cached_tokens, "decode_hit_blocks": res.hit_blocks,

@@ -92,6 +92,14 @@ class ServerMetrics:
         self._errors = counter(r, "kvmesh_request_errors_total",
                                "API requests answered with an error, by error code.",
                                ("model_name", "code"))
+        self._handoffs = counter(r, "kvmesh_kv_handoffs_total",
+                                 "Prefill role: KV handoffs to decode engines, by outcome (ok, decode_no_room, "
+                                 "decode_unreachable, decode_failed, ...).", ("model_name", "outcome"))
+        self._handoff_bytes = counter(r, "kvmesh_kv_handoff_bytes_total",
+                                      "Prefill role: KV bytes pushed to decode engines.", lbl)
+        self._hist_handoff = histogram(r, "kvmesh_kv_handoff_seconds",
+                                       "Prefill role: time to push one request's KV and first token to its "
+                                       "decode engine (after the prefill).", REQUEST_LATENCY_BUCKETS, lbl)
         r.register(CallbackCollector(self._engine_families))
 
     def set_model(self, model_name: str, block_size: int) -> None:
@@ -133,6 +141,13 @@ class ServerMetrics:
 
     def observe_dispatch_lag(self, seconds: float) -> None:
         self._loop_lag.observe(max(0.0, seconds))
+
+    def observe_handoff(self, outcome: str, nbytes: int = 0, seconds: float | None = None) -> None:
+        self._handoffs.labels(self.model_name, outcome).inc()
+        if nbytes:
+            self._handoff_bytes.labels(self.model_name).inc(nbytes)
+        if seconds is not None:
+            self._hist_handoff.labels(self.model_name).observe(max(0.0, seconds))
 
     def count_error(self, code: str) -> None:
         self._errors.labels(self.model_name, code).inc()
@@ -199,6 +214,16 @@ class ServerMetrics:
         yield counter_family("kvmesh_preemptions_total", "Sequences preempted (recomputed later) for lack "
                              "of KV blocks.", s.num_preemptions, model)
         yield from self._tier_families(s)
+        yield gauge_family("kvmesh_kv_transfers_reserved", "Decode role: KV transfers reserved or received and "
+                           "not yet claimed by their request.", getattr(s, "kv_transfers_reserved", 0), model)
+        yield gauge_family("kvmesh_kv_transfer_reserved_blocks", "Decode role: KV blocks those transfers hold.",
+                           getattr(s, "kv_transfer_blocks_reserved", 0), tier)
+        yield gauge_family("kvmesh_kv_handoffs_held", "Prefill role: requests whose blocks wait for their "
+                           "consumers (decode engine, cache node) to confirm.", getattr(s, "kv_handoffs_held", 0),
+                           model)
+        yield counter_family("kvmesh_kv_transfer_timeouts_total", "Handoffs whose blocks were freed by timeout "
+                             "(reservations never filled or claimed; held blocks never confirmed).",
+                             getattr(s, "kv_transfer_timeouts", 0), model)
         # Gateway API Inference Extension model-server protocol (vLLM's names).
         yield gauge_family("vllm:num_requests_waiting", "TotalQueuedRequests: requests waiting to be scheduled.",
                            s.num_waiting, model)

@@ -1,0 +1,50 @@
+"""Drive a prefill -> decode handoff between two in-process engines, step by step (no network)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from kvmesh.engine.disagg.prefill_side import DECODE
+from kvmesh.engine.sampling import SamplingParams
+
+
+def _run_until(engine, pred, limit: int = 500):
+    outs = []
+    for _ in range(limit):
+        outs += engine.step() if engine.has_unfinished_requests() else engine.idle_tick()
+        if pred(outs):
+            return outs
+    raise AssertionError("engine did not get there")
+
+
+def prefill(p, rid: str, prompt: list[int], params: SamplingParams, start: int):
+    p.add_request(rid, prompt, params, handoff_from=start)
+    outs = _run_until(p, lambda o: any(x.request_id == rid and x.finished for x in o))
+    out = [x for x in outs if x.request_id == rid][-1]
+    assert out.finish_reason == "transfer", out
+    return out.handoff
+
+
+def decode(d, tid: str, rid: str, prompt: list[int], params: SamplingParams, handoff):
+    d.check_push(tid, handoff.start, handoff.hashes, True)
+    d.idle_tick()
+    fut = d.fill_transfer(tid, handoff.start, handoff.data, True, handoff.first)
+    d.idle_tick()
+    fut.result(0)
+    claimed: Future = Future()
+    d.add_request(rid, prompt, params, transfer_id=tid, claimed=claimed)
+    outs = _run_until(d, lambda o: any(x.request_id == rid and x.finished for x in o))
+    assert claimed.done() and claimed.exception() is None
+    return [t for x in outs if x.request_id == rid for t in x.new_token_ids]
+
+
+def handoff_once(p, d, i: int, prompt, params, tid=None):
+    tid = tid or f"t{i}"
+    fut = d.reserve_transfer(tid, prompt, params.max_tokens)
+    d.idle_tick()
+    res = fut.result(0)
+    h = prefill(p, f"p{i}", prompt, params, res.hit_blocks)
+    toks = decode(d, tid, f"d{i}", prompt, params, h)
+    p.release_handoff(f"p{i}", DECODE)
+    p.idle_tick()
+    return res, h, toks
