@@ -139,6 +139,19 @@ def test_a_request_waits_while_every_decode_engine_refuses_then_is_served(pd):
     assert c.metric("kvmesh_router_pd_queued") == 0
 
 
+def test_a_client_that_leaves_while_waiting_frees_its_place(pd):
+    d0 = FakeDecode("d0", room=False)
+    c = pd([FakePrefill("p0")], [d0], pd_queue_timeout_s=20)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(c.url + "/v1/completions", json={"prompt": "x"}, timeout=httpx.Timeout(30, read=0.5))
+    deadline = time.monotonic() + 10
+    while c.metric("kvmesh_router_pd_queue_wait_seconds_count") != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert c.metric("kvmesh_router_pd_queued") == 0 and c.app.two_stage.queued == 0
+    assert c.metric("kvmesh_router_pd_queue_rejected_total", reason="timeout") == 0
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_past_the_queue_timeout_the_client_gets_a_clean_503(pd, stream):
     d0 = FakeDecode("d0", room=False)
