@@ -280,6 +280,7 @@ class AsyncEngine:
                 if ticks and (engine.has_pending_commands() or engine.has_timers()):
                     # KV transfer commands and expiries need no request to run.
                     outs = engine.idle_tick()
+                    self.stats = engine.stats()
                     if outs:
                         loop.call_soon_threadsafe(self._dispatch, outs, time.monotonic())
                     if engine.has_unfinished_requests():

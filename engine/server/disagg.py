@@ -68,7 +68,10 @@ class DisaggServing:
             from kvmesh.engine.disagg.gather import cache_layout
             from kvmesh.engine.disagg.prefill_link import DecodeLinks
 
-            self.links = DecodeLinks(cache_layout(engine.kv.extra, engine.runner.kv_cache), self.transfer_timeout_s)
+            # A connection attempt gets part of the transfer budget, so a dead peer is reported as
+            # unreachable (not as a timeout) within it.
+            self.links = DecodeLinks(cache_layout(engine.kv.extra, engine.runner.kv_cache), self.transfer_timeout_s,
+                                     connect_timeout_s=min(5.0, self.transfer_timeout_s / 2))
 
     def close(self) -> None:
         if self.endpoint is not None:
@@ -188,7 +191,9 @@ class DisaggServing:
             await asyncio.wait_for(asyncio.wrap_future(claimed), self.transfer_timeout_s)
         except TimeoutError:
             self.aengine.release(group)
-            raise errors.engine_failed("the engine did not take over the KV transfer in time") from None
+            # 503: the router starts over on another decode engine (docs/disagg.md).
+            raise _err("the engine did not take over the KV transfer in time", 503, "engine_busy",
+                       {"Retry-After": "1"}) from None
         except UnknownTransfer as e:
             self.aengine.release(group)
             raise _err(str(e), 409, "transfer_not_found") from None

@@ -1,0 +1,183 @@
+"""Prefill and decode engines as real `kvmesh serve` processes talking over UCX (slow).
+
+Real: two server processes on the default model (one torch thread each), the UCX link between
+them, the HTTP contract of docs/disagg.md driven by hand (the router's side of it is tested in
+tests/router). The reference for the tokens is the decode engine serving the same request
+colocated; a wrong byte of KV or a lost first token shows up as different text.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.serverproc import ServerProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+QUESTION = "What is the capital of France?"
+
+
+def _body(content: str = QUESTION, max_tokens: int = 16, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **extra}
+
+
+@pytest.fixture(scope="module")
+def decode():
+    d = ServerProcess("--role", "decode", "--num-threads", "1", "--num-kv-blocks", "64").start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    p = ServerProcess("--role", "prefill", "--num-threads", "1", "--num-kv-blocks", "512",
+                      "--kv-transfer-timeout", "4").start()
+    yield p
+    p.stop()
+
+
+def transfer_port(d: ServerProcess) -> int:
+    return httpx.get(d.url("/kv/info"), timeout=10).json()["transfer_port"]
+
+
+def stage1(p: ServerProcess, d: ServerProcess, tid: str, body: dict, timeout: float = 120,
+           port: int | None = None) -> httpx.Response:
+    kvp = {"transfer_id": tid, "decode_host": "127.0.0.1", "decode_port": port or transfer_port(d)}
+    return httpx.post(p.url("/v1/chat/completions"), json={**body, "kv_transfer_params": kvp}, timeout=timeout)
+
+
+def stage2(d: ServerProcess, tid: str, body: dict) -> httpx.Response:
+    return httpx.post(d.url("/v1/chat/completions"), json={**body, "kv_transfer_params": {"transfer_id": tid}},
+                      timeout=120)
+
+
+def wait_metric(proc: ServerProcess, name: str, want: float, timeout: float = 30, **labels: str) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := proc.metric(name, **labels)) != want:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name}{labels} is {got}, expected {want}")
+        time.sleep(0.2)
+
+
+def nothing_held(p: ServerProcess, d: ServerProcess) -> None:
+    wait_metric(p, "kvmesh_kv_handoffs_held", 0)
+    wait_metric(d, "kvmesh_kv_transfers_reserved", 0)
+    wait_metric(d, "kvmesh_num_requests_running", 0)
+    for proc in (p, d):
+        total = proc.metric("kvmesh_kv_cache_blocks", tier="gpu")
+        wait_metric(proc, "kvmesh_kv_cache_free_blocks", total, tier="gpu")
+
+
+def test_handoff_answers_what_the_decode_engine_computes_itself(prefill, decode):
+    prompts = [QUESTION, "Write a haiku about the sea.", "List three prime numbers. " * 12]
+    for i, q in enumerate(prompts):
+        body = _body(q)
+        info = stage1(prefill, decode, f"same-{i}", body)
+        assert info.status_code == 200, info.text
+        doc = info.json()
+        assert doc["object"] == "kv_transfer" and doc["blocks_sent"] >= 1 and doc["bytes_sent"] > 0
+        got = stage2(decode, f"same-{i}", body)
+        assert got.status_code == 200, got.text
+        # The same request served colocated by the decode engine (its prefix cache now holds the
+        # transferred prompt blocks, so only the last partial block is recomputed).
+        ref = httpx.post(decode.url("/v1/chat/completions"), json=body, timeout=120).json()
+        assert got.json()["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+        assert got.json()["usage"]["completion_tokens"] == 16
+        assert got.json()["usage"]["prompt_tokens"] == doc["prompt_tokens"]
+    # Streamed stage 2, and a second transfer of a prompt the decode engine caches already.
+    body = _body(prompts[0], stream=True, stream_options={"include_usage": True})
+    doc = stage1(prefill, decode, "stream", body).json()
+    assert doc["decode_hit_blocks"] >= 1 and doc["cached_tokens"] > 0
+    with httpx.stream("POST", decode.url("/v1/chat/completions"),
+                      json={**body, "kv_transfer_params": {"transfer_id": "stream"}}, timeout=120) as r:
+        text = "".join(r.iter_text())
+    assert text.rstrip().endswith("data: [DONE]") and '"completion_tokens":16' in text
+    assert prefill.metric("kvmesh_kv_handoffs_total", outcome="ok") >= 4
+    nothing_held(prefill, decode)
+
+
+def test_wrong_stage_wrong_role_and_unknown_transfers(prefill, decode):
+    r = stage2(decode, "never-reserved", _body())
+    assert r.status_code == 409 and r.json()["error"]["code"] == "transfer_not_found"
+    r = stage2(prefill, "x", _body())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_role"
+    r = stage1(decode, decode, "x", _body())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_role"
+    r = stage1(prefill, decode, "n2", _body(n=2))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "n_not_supported"
+    r = httpx.post(prefill.url("/v1/chat/completions"),
+                   json={**_body(), "kv_transfer_params": {"transfer_id": "t", "decode_host": "127.0.0.1",
+                                                           "decode_port": 1}}, timeout=60)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "decode_unreachable"
+    r = httpx.post(prefill.url("/v1/chat/completions"),
+                   json={**_body(), "kv_transfer_params": {"transfer_id": "t", "bogus": 1}}, timeout=60)
+    assert r.status_code == 400
+    nothing_held(prefill, decode)
+
+
+def test_decode_refuses_without_room_and_nothing_leaks(prefill, decode):
+    # 64 blocks of 16 tokens: ~37 prompt tokens + 1200 can never fit; + 700 fits once, not twice.
+    r = stage1(prefill, decode, "huge", _body(max_tokens=1200))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "decode_too_large"
+    assert stage1(prefill, decode, "big-1", _body(max_tokens=700)).status_code == 200
+    r = stage1(prefill, decode, "big-2", _body(max_tokens=700))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "decode_no_room"
+    assert r.headers.get("retry-after") == "1"
+    assert decode.metric("kvmesh_kv_transfers_reserved") == 1
+    done = stage2(decode, "big-1", _body(max_tokens=700))
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 700
+    nothing_held(prefill, decode)
+
+
+def test_stalled_decode_times_out_and_both_sides_free_their_blocks(prefill, decode):
+    """The decode engine stops answering (SIGSTOP) during a handoff: the prefill side gives up after
+    its transfer timeout with 502 decode_failed and frees its blocks; once the decode engine runs
+    again it frees the reservation the dropped connection left."""
+    port = transfer_port(decode)
+    decode.signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        r = stage1(prefill, decode, "stalled", _body(), port=port)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "decode_failed", r.text
+        assert time.monotonic() - t0 < 30
+        wait_metric(prefill, "kvmesh_kv_handoffs_held", 0)
+    finally:
+        decode.signal(signal.SIGCONT)
+    nothing_held(prefill, decode)
+    assert stage1(prefill, decode, "after", _body()).status_code == 200  # both sides recovered
+    assert stage2(decode, "after", _body()).status_code == 200
+
+
+def test_prefill_killed_mid_prefill_frees_the_decode_reservation(decode):
+    p = ServerProcess("--role", "prefill", "--num-threads", "1", "--num-kv-blocks", "512",
+                      "--max-num-batched-tokens", "16").start()
+    try:
+        # ~800 tokens (fits the decode engine's 64 blocks), prefilled 16 tokens a step: seconds.
+        long_prompt = " ".join(f"w{i % 97} {i}." for i in range(110))
+        result: list = []
+        t = threading.Thread(target=lambda: result.append(_safe(lambda: stage1(p, decode, "killed",
+                                                                                 _body(long_prompt, 8)))))
+        t.start()
+        wait_metric(decode, "kvmesh_kv_transfers_reserved", 1, timeout=60)
+        p.signal(signal.SIGKILL)
+        t.join(60)
+        assert result and isinstance(result[0], httpx.HTTPError)
+    finally:
+        p.stop()
+    # The dropped UCX connection frees the reservation at once (well before the 30 s timeout).
+    wait_metric(decode, "kvmesh_kv_transfers_reserved", 0, timeout=10)
+    total = decode.metric("kvmesh_kv_cache_blocks", tier="gpu")
+    wait_metric(decode, "kvmesh_kv_cache_free_blocks", total, tier="gpu")
+
+
+def _safe(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return e
