@@ -259,12 +259,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     priority: int = 0, arrival_time: float | None = None, handoff_from: int | None = None,
-                    transfer_id: str | None = None, claimed: Future | None = None) -> None:
+                    handoff_stream: bool = False, transfer_id: str | None = None,
+                    claimed: Future | None = None) -> None:
         """Validate (see check_request) and enqueue; the request joins at the next step.
 
         ``handoff_from`` (prefill role): stop after the first token and hand the KV of prompt
         blocks from that index on to a decode engine (the final output carries a ``KVHandoff``;
-        call ``release_handoff`` once it was delivered). ``transfer_id`` (decode role): the
+        call ``release_handoff`` once it was delivered); with ``handoff_stream`` every step that
+        completes prompt blocks also outputs them as a partial handoff (not finished, no tokens).
+        ``transfer_id`` (decode role): the
         prompt's KV and first token arrived under that transfer; ``claimed`` resolves when the
         engine took it over (or fails with ``UnknownTransfer``/``TransferMismatch``, and the
         request ends with an "abort" output).
@@ -285,6 +288,8 @@ class LLMEngine:
             arrival_seq=next(self._arrival),
             generator=gen,
             handoff_from=handoff_from,
+            handoff_stream=handoff_stream,
+            handoff_sent=handoff_from or 0,
         )
         req.stream = RequestStream(self.tokenizer, req.prompt_token_ids, params)
         with self._lock:
@@ -445,17 +450,35 @@ class LLMEngine:
         else:
             self.scheduler.add_transferred(req)
 
+    def _handoff_blocks(self, req: Request, end: int) -> KVHandoff | None:
+        """Prompt blocks ``[req.handoff_sent, end)`` gathered for the wire (None if there are none)."""
+        start = req.handoff_sent
+        if end <= start:
+            return None
+        n = req.num_prompt_tokens
+        full = n // self.config.block_size
+        chain = self.kv.extend_chain(req.request_id, req.prompt_token_ids, min(full, end))
+        hashes = [chain[i] if i < full else None for i in range(start, end)]
+        data = gather_blocks(self.runner.kv_cache, self.kv.block_ids(req.request_id)[start:end])
+        req.handoff_sent = end
+        return KVHandoff(req.request_id, start, hashes, data, None, n)
+
+    def _handoff_part(self, req: Request) -> RequestOutput | None:
+        """Prefill role, streamed handoff: the prompt blocks this step completed, as a partial output."""
+        part = self._handoff_blocks(req, min(req.num_computed_tokens, req.num_prompt_tokens) // self.config.block_size)
+        if part is None:
+            return None
+        return RequestOutput(req.request_id, req.prompt_token_ids, [], [], "", "", False, None,
+                             max(0, req.num_cached_tokens), None, req.metrics, handoff=part)
+
     def _handoff(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> RequestOutput:
         """Prefill role: the first token is sampled; keep the blocks, gather what goes to decode."""
-        start = req.handoff_from or 0
         n = req.num_prompt_tokens
-        bs = self.config.block_size
         total = self.kv.num_blocks_for(n)
-        full = n // bs
-        chain = self.kv.extend_chain(req.request_id, req.prompt_token_ids, full)
-        hashes = [chain[i] if i < full else None for i in range(start, total)]
-        ids = self.kv.block_ids(req.request_id)[start:total]
-        data = gather_blocks(self.runner.kv_cache, ids) if ids else None
+        start = req.handoff_sent
+        rest = self._handoff_blocks(req, total)
+        hashes = rest.hashes if rest is not None else []
+        data = rest.data if rest is not None else None
         gen_state = bytes(req.generator.get_state().numpy().tobytes()) if req.generator is not None else None
         first = FirstToken(token, lp.logprob if lp else None, list(lp.top) if lp else [], gen_state,
                            max(0, req.num_cached_tokens))
@@ -516,6 +539,11 @@ class LLMEngine:
             saved = self.tiers.after_step(full)
             if saved is not None:
                 self._track_handoff_saves(full, saved)
+        for s in sched.seqs:
+            if s.request.handoff_stream and not s.produces_token:
+                part = self._handoff_part(s.request)
+                if part is not None:
+                    outputs.append(part)
         if result is not None:
             now = time.monotonic()
             producing = [s.request for s in sched.seqs if s.produces_token]

@@ -45,6 +45,11 @@ class Request:
     handoff_from: int | None = None
     """Prefill role: after the first token, hand the KV of prompt blocks from this index on to a
     decode engine (blocks are held, not freed) instead of generating further."""
+    handoff_stream: bool = False
+    """Prefill role: hand over each prompt block as soon as it is computed (partial handoffs
+    overlap the transfer with the prefill of later chunks), not all after the first token."""
+    handoff_sent: int = 0
+    """Prefill role: prompt blocks before this index were already handed over in parts."""
     transferred: bool = False
     """Decode role: the prompt's KV arrived by transfer; it holds every block it will need and is
     never chosen as a preemption victim."""

@@ -12,17 +12,7 @@ import os
 import sys
 from typing import Any
 
-from ..server.cli import parse_size
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"not a port: {text!r} (0..65535; 0 picks a free one)")
-    return port
+from ..server.cli import parse_size, port_or_zero
 
 
 def add_cache_node_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,13 +20,13 @@ def add_cache_node_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV capacity, e.g. 8Gi or 512MiB (the CRD's cache.memory; default: cache.memory "
                         "from --config)")
     p.add_argument("--host", default="0.0.0.0", help="address of the HTTP port (default: %(default)s)")
-    p.add_argument("--port", type=_port, default=8000,
+    p.add_argument("--port", type=port_or_zero, default=8000,
                    help="HTTP port: /health, /ready, /metrics, /kv/snapshot, /kv/info (default: %(default)s)")
-    p.add_argument("--ucx-port", type=_port, default=None, metavar="PORT",
+    p.add_argument("--ucx-port", type=port_or_zero, default=None, metavar="PORT",
                    help="UCX port for block transfers (default: --port + 1; the listener binds every interface)")
     p.add_argument("--config", default=None, metavar="FILE", help="kvmesh.yaml written by the operator")
     p.add_argument("--node-id", default="", help="name in KV events and /kv/info (default: the host name)")
-    p.add_argument("--kv-events-port", type=_port, default=0, metavar="PORT",
+    p.add_argument("--kv-events-port", type=port_or_zero, default=0, metavar="PORT",
                    help="publish KV events (tier remote) on PORT, replay on PORT+1; 0: off (default)")
     p.add_argument("--kv-events-host", default=None, metavar="ADDR", help="address of the KV event sockets "
                                                                          "(default: --host)")

@@ -84,11 +84,12 @@ class DecodeLinks:
             raise Refused(reply.kind, reply.message)
         return reply
 
-    async def push(self, host: str, port: int, transfer_id: str, handoff: KVHandoff) -> PushResult:
-        """Send the handoff's blocks and first token in one final push."""
+    async def push(self, host: str, port: int, transfer_id: str, handoff: KVHandoff, final: bool = True) -> PushResult:
+        """Send one part of a handoff: its blocks, and with ``final`` the first token (parts go in order)."""
         t0 = time.perf_counter()
         payloads = [] if handoff.data is None else list(as_bytes(handoff.data).reshape(len(handoff.hashes), -1))
-        msg = protocol.PushKV(transfer_id, handoff.start, list(handoff.hashes), True, handoff.first)
+        msg = protocol.PushKV(transfer_id, handoff.start, list(handoff.hashes), final,
+                              handoff.first if final else None)
 
         async def run(c: AsyncKVClient) -> int:
             return await c.push(msg, payloads)

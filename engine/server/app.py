@@ -38,7 +38,8 @@ class ServerApp:
 
     def __init__(self, aengine: AsyncEngine, served_model_names: list[str] | None = None,
                  kv_publisher: KVEventPublisher | None = None, drain_timeout_s: float = 30.0,
-                 role: str = "both", kv_transfer_port: int = 0, kv_transfer_timeout_s: float = 30.0) -> None:
+                 role: str = "both", kv_transfer_port: int = 0, kv_transfer_timeout_s: float = 30.0,
+                 kv_transfer_overlap: bool = True) -> None:
         """`kv_publisher`, when given, streams the engine's KV events from load to shutdown;
         `drain_timeout_s` bounds a drain (SIGTERM or POST /admin/drain) before leftovers are aborted;
         `role` prefill/decode adds the KV handoff (docs/disagg.md), decode listening for KV on
@@ -55,7 +56,8 @@ class ServerApp:
         aengine.on_dispatch_lag = self.metrics.observe_dispatch_lag
         self.serving = Serving(aengine, [], count_error=self.metrics.count_error)
         self.disagg = DisaggServing(role, aengine, self.serving, transfer_port=kv_transfer_port,
-                                    transfer_timeout_s=kv_transfer_timeout_s, observe=self.metrics.observe_handoff)
+                                    transfer_timeout_s=kv_transfer_timeout_s, overlap=kv_transfer_overlap,
+                                    observe=self.metrics.observe_handoff)
         self.app = self._build()
 
     def served_names(self) -> list[str]:

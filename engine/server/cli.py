@@ -38,25 +38,19 @@ def parse_size(text: str) -> int:
     return n
 
 
-def _port_or_zero(text: str) -> int:
+def port_or_zero(text: str, highest: int = 65535, what: str = "a port", zero: str = "any free port") -> int:
+    """An argparse port in [0, highest]; the message says what 0 means for this flag."""
     try:
         port = int(text)
     except ValueError:
         port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"not a port: {text!r} (0 for any free port, or 1..65535)")
+    if not 0 <= port <= highest:
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r} (0 for {zero}, or 1..{highest})")
     return port
 
 
 def _kv_events_port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65534:
-        raise argparse.ArgumentTypeError(f"not a KV events port: {text!r} (0 for off, or 1..65534: "
-                                         "the replay socket takes the next port)")
-    return port
+    return port_or_zero(text, 65534, "a KV events port (the replay socket takes the next one)", "off")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,12 +107,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="both: prefill and decode in this engine (default); prefill: compute prompts and hand "
                         "their KV and first token to a decode engine; decode: generate from KV it receives "
                         "(plain requests are served colocated). See docs/disagg.md")
-    s.add_argument("--kv-transfer-port", type=_port_or_zero, default=0, metavar="PORT",
+    s.add_argument("--kv-transfer-port", type=port_or_zero, default=0, metavar="PORT",
                    help="decode role: UCX port that receives KV from prefill engines (0: any free port, "
                         "reported by /kv/info; the operator uses 8001)")
     s.add_argument("--kv-transfer-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="bound on one prefill->decode handoff: a reservation waiting for its KV or for its "
                         "request, and held prefill blocks waiting for confirmation (default: %(default)s)")
+    s.add_argument("--kv-transfer-overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill role: push each prompt block to the decode engine as soon as its chunk is "
+                        "computed, overlapping the transfer with later chunks (default: on)")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="sequences that may wait for their first token before new requests get 429 "
                         "(0: unbounded; default: %(default)s)")
@@ -222,7 +219,7 @@ def settings_from_args(args: argparse.Namespace):  # -> ServeSettings (imported 
         max_waiting_requests=args.max_waiting_requests, drain_timeout_s=args.drain_timeout,
         log_level=args.log_level, access_log=args.access_log,
         kv_events_port=args.kv_events_port, kv_events_host=args.kv_events_host or args.host,
-        role=args.role, kv_transfer_port=args.kv_transfer_port,
+        role=args.role, kv_transfer_port=args.kv_transfer_port, kv_transfer_overlap=args.kv_transfer_overlap,
     )
 
 

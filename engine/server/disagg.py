@@ -43,9 +43,10 @@ class DisaggServing:
     """Role-specific request handling and the transfer endpoints it owns (started once loaded)."""
 
     def __init__(self, role: str, aengine: AsyncEngine, serving: Serving, *, transfer_port: int = 0,
-                 transfer_timeout_s: float = 30.0,
+                 transfer_timeout_s: float = 30.0, overlap: bool = True,
                  observe: Callable[[str, int, float | None], None] = lambda outcome, nbytes, seconds: None) -> None:
-        """``observe(outcome, bytes, seconds)`` counts each stage-1 handoff (the server's metrics)."""
+        """``observe(outcome, bytes, seconds)`` counts each stage-1 handoff (the server's metrics);
+        ``overlap`` pushes prompt blocks while later chunks are still being computed."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; use one of {', '.join(ROLES)}")
         self.role = role
@@ -53,6 +54,7 @@ class DisaggServing:
         self.serving = serving
         self.transfer_port = transfer_port
         self.transfer_timeout_s = transfer_timeout_s
+        self.overlap = overlap
         self.endpoint: Any = None  # decode: DecodeEndpoint
         self.links: Any = None  # prefill: DecodeLinks
         self._observe = observe
@@ -142,11 +144,23 @@ class DisaggServing:
             raise _err(f"reservation on decode engine {host}:{port} failed: {e}", 502, "decode_failed") from None
         t1 = time.perf_counter()
         try:
-            group = self.serving.submit(prep, arrival, {"handoff_from": res.hit_blocks})
+            group = self.serving.submit(prep, arrival, {"handoff_from": res.hit_blocks,
+                                                        "handoff_stream": self.overlap})
         except BaseException:
             await self.links.cancel(host, port, tid)
             raise
         handoff = None
+        parts: list[asyncio.Task] = []  # partial pushes, each awaiting the one before it
+
+        async def push_after(prev: asyncio.Task | None, part: Any, final: bool) -> Any:
+            if prev is not None:
+                await prev  # a failed earlier part fails this one: parts land in order or not at all
+            return await self.links.push(host, port, tid, part, final)
+
+        def stop_on_failure(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                self.aengine.abort(group)  # no point computing the rest of a prompt nobody receives
+
         watcher = watch_disconnect(request.receive, lambda: self.aengine.abort(group))
         try:
             while handoff is None:
@@ -156,29 +170,42 @@ class DisaggServing:
                 for out in outs:
                     if out.finished and out.finish_reason == "transfer":
                         handoff = out.handoff
+                    elif out.handoff is not None:
+                        parts.append(asyncio.ensure_future(push_after(parts[-1] if parts else None,
+                                                                      out.handoff, False)))
+                        parts[-1].add_done_callback(stop_on_failure)
                     elif out.finish_reason == "error":
                         raise errors.engine_failed(out.error or "the prefill failed")
         finally:
             watcher.cancel()
             self.aengine.release(group)
             if handoff is None:
+                for t in parts:
+                    t.cancel()
                 await self.links.cancel(host, port, tid)
-        if handoff is None:  # aborted: the client went away
+        if handoff is None:
+            failed = next((t.exception() for t in parts if t.done() and not t.cancelled() and t.exception()), None)
+            if failed is not None:
+                self._failed("decode_failed")
+                raise _err(f"KV transfer to decode engine {host}:{port} failed: {failed}", 502, "decode_failed")
             raise _err("the request was aborted before its prefill finished", 499, "aborted")
         t2 = time.perf_counter()
         try:
-            pushed = await self.links.push(host, port, tid, handoff)
+            final = await push_after(parts[-1] if parts else None, handoff, True)
+            pushed = [p.result() for p in parts] + [final]
         except TransferError as e:
             self._failed("decode_failed")
             raise _err(f"KV transfer to decode engine {host}:{port} failed: {e}", 502, "decode_failed") from None
         finally:
             engine.release_handoff(handoff.request_id, DECODE)
-        self._observe("ok", pushed.nbytes, pushed.seconds)
+        t3 = time.perf_counter()
+        nbytes = sum(p.nbytes for p in pushed)
+        self._observe("ok", nbytes, sum(p.seconds for p in pushed))
         return JSONResponse({
             "object": "kv_transfer", "transfer_id": tid, "prompt_tokens": handoff.num_prompt_tokens,
             "cached_tokens": handoff.first.cached_tokens, "decode_hit_blocks": res.hit_blocks,
-            "blocks_sent": pushed.blocks, "bytes_sent": pushed.nbytes,
-            "reserve_s": round(t1 - t0, 6), "prefill_s": round(t2 - t1, 6), "transfer_s": round(pushed.seconds, 6),
+            "blocks_sent": sum(p.blocks for p in pushed), "bytes_sent": nbytes, "parts": len(pushed),
+            "reserve_s": round(t1 - t0, 6), "prefill_s": round(t2 - t1, 6), "transfer_s": round(t3 - t2, 6),
         })
 
     async def _decode(self, prep: Prepared, kvp: KVTransferParams, request: Request,

@@ -59,6 +59,8 @@ class ServeSettings:
     role: str = "both"
     """both: colocated; prefill/decode: one side of a KV handoff (docs/disagg.md)."""
     kv_transfer_port: int = 0
+    kv_transfer_overlap: bool = True
+    """Prefill role: push prompt blocks while later chunks are computed (docs/disagg.md)."""
     """Decode role: UCX port for incoming KV (0: any free port, reported by /kv/info)."""
 
 
@@ -145,7 +147,8 @@ def build_server(settings: ServeSettings, engine_factory: Callable[[], Any] | No
     server_app = ServerApp(aengine, settings.served_model_names, kv_publisher=publisher,
                            drain_timeout_s=settings.drain_timeout_s, role=settings.role,
                            kv_transfer_port=settings.kv_transfer_port,
-                           kv_transfer_timeout_s=settings.engine.kv_transfer_timeout)
+                           kv_transfer_timeout_s=settings.engine.kv_transfer_timeout,
+                           kv_transfer_overlap=settings.kv_transfer_overlap)
     app = server_app.app
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,

@@ -60,9 +60,26 @@ def test_defaults():
     assert _parse().role == "both"
 
 
-def test_prefill_and_decode_roles_are_refused_for_now(capsys):
-    assert cli.handler(_parse("--role", "prefill")) == 2
-    assert "--role prefill" in capsys.readouterr().err
+def test_roles_and_kv_transfer_flags():
+    s = cli.settings_from_args(_parse("--role", "decode", "--kv-transfer-port", "8001",
+                                      "--kv-transfer-timeout", "7.5", "--no-kv-transfer-overlap"))
+    assert (s.role, s.kv_transfer_port, s.engine.kv_transfer_timeout, s.kv_transfer_overlap) == \
+        ("decode", 8001, 7.5, False)
+    d = cli.settings_from_args(_parse("--role", "prefill"))
+    assert (d.role, d.kv_transfer_port, d.engine.kv_transfer_timeout, d.kv_transfer_overlap) == \
+        ("prefill", 0, 30.0, True)
+
+
+@pytest.mark.parametrize("flags", [("--role", "middle"), ("--kv-transfer-port", "70000"),
+                                   ("--kv-transfer-port", "x")])
+def test_bad_role_or_transfer_port_is_a_usage_error(flags):
+    with pytest.raises(SystemExit):
+        _parse(*flags)
+
+
+def test_non_positive_transfer_timeout_exits_2(capsys):
+    assert cli.handler(_parse("--kv-transfer-timeout", "0")) == 2
+    assert "kv_transfer_timeout" in capsys.readouterr().err
 
 
 def test_invalid_engine_config_exits_2(capsys):
