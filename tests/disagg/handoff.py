@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 from kvmesh.engine.disagg.prefill_side import DECODE
@@ -9,11 +10,14 @@ from kvmesh.engine.sampling import SamplingParams
 
 
 def _run_until(engine, pred, limit: int = 500):
+    """Step (or idle-tick) ``engine`` until ``pred(outputs so far)``; waits while it waits on a cache node."""
     outs = []
     for _ in range(limit):
         outs += engine.step() if engine.has_unfinished_requests() else engine.idle_tick()
         if pred(outs):
             return outs
+        if engine.waiting_on_transfers:
+            time.sleep(0.01)
     raise AssertionError("engine did not get there")
 
 

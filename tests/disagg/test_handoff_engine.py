@@ -145,3 +145,40 @@ def test_seeded_sampling_continues_the_same_random_stream(model_dir, loaded):  #
     d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
     _, _, toks = handoff_once(p, d, 0, PROMPTS[2], params)
     assert toks == want
+
+
+def test_streamed_handoff_sends_blocks_as_chunks_complete(model_dir, loaded, reference):  # noqa: F811
+    """With handoff_stream the prefill engine outputs each step's completed prompt blocks as a part
+    (in order, before the first token); the decode engine fills them as they come and the tokens
+    are the same as with one push."""
+    from concurrent.futures import Future
+
+    from .handoff import _run_until
+
+    p = tiny_engine(model_dir, loaded, num_kv_blocks=64, max_num_batched_tokens=8).engine  # 2 blocks a step
+    d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    prompt = PROMPTS[1]  # 46 tokens: 12 blocks, the last one partial
+    d.reserve_transfer("s", prompt, MAX_NEW)
+    d.idle_tick()
+    p.add_request("r", prompt, _greedy(), handoff_from=0, handoff_stream=True)
+    outs = _run_until(p, lambda o: any(x.finished for x in o))
+    parts = [o.handoff for o in outs if o.handoff is not None]
+    assert [o.finished for o in outs if o.handoff is not None] == [False] * (len(parts) - 1) + [True]
+    assert [h.start for h in parts] == [0, 2, 4, 6, 8, 10] and parts[-1].hashes[-1] is None
+    assert all(h.first is None for h in parts[:-1]) and parts[-1].first is not None
+    for h in parts:
+        f = d.check_push("s", h.start, h.hashes, h.first is not None)
+        d.idle_tick()
+        f.result(0)
+        fill = d.fill_transfer("s", h.start, h.data, h.first is not None, h.first)
+        d.idle_tick()
+        fill.result(0)
+    claimed: Future = Future()
+    d.add_request("x", prompt, _greedy(), transfer_id="s", claimed=claimed)
+    outs = _run_until(d, lambda o: any(x.finished for x in o))
+    assert [t for o in outs for t in o.new_token_ids] == reference[1]
+    p.release_handoff("r", DECODE)
+    p.idle_tick()
+    for e in (p, d):
+        e.check_integrity()
+        assert not e.kv.requests
