@@ -77,7 +77,7 @@ def test_routes_answer_503_until_loaded_then_describe_the_cache():
             "root_hash": ROOT_HASH.hex(), "extra_key": engine.kv.extra.hex(),
             "model": "fake-model", "dtype": "bfloat16", "lora": None, "cache_salt": "tenant-7",
             "kv_events": {"port": port, "replay_port": port + 1, "topic": "kv-events/engine-fake"},
-            "tiers": ["gpu"],
+            "tiers": ["gpu"], "role": "both", "transfer_port": None,
         }
         # The readable parts rebuild the exact bytes the engine hashes.
         assert extra_key(info["model"], info["dtype"], info["lora"], info["cache_salt"]).hex() == info["extra_key"]
