@@ -199,6 +199,12 @@ def _model() -> dict[str, Any]:
                 maxLength=253,
             ),
             "format": string("Weights format.", "Auto", enum=list(s.MODEL_FORMATS)),
+            "dtype": string(
+                "Dtype of the engines' weights, activations and KV blocks (`kvmesh serve --dtype`); "
+                "prefill and decode pools always share it, as a KV handoff requires.",
+                s.DEFAULT_DTYPE,
+                enum=list(s.DTYPES),
+            ),
             "source": source,
         },
         required=["name"],

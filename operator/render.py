@@ -209,6 +209,9 @@ def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[
             args += ["--model-uri", str(spec.model.uri)]
         if spec.model.format != "Auto":
             args += ["--model-format", spec.model.format.lower()]
+        # Always given, default included: the pods run what the CR says whatever the engine's
+        # default. Only the engine pools read it (not kvmesh.yaml), so a change rolls only them.
+        args += ["--dtype", spec.model.dtype]
         if spec.cache.replicas > 0:
             args += ["--cache-service", _endpoint(owner, "cache")]
         args += ["--kv-events-port", str(KV_EVENTS_PORT),

@@ -26,10 +26,13 @@ COMPONENTS = ("prefill", "decode", "cache", "router")
 ROUTER_POLICIES = ("cache-aware", "session", "least-load", "round-robin")
 SOURCE_TYPES = ("Embedded", "Volume", "URI")
 MODEL_FORMATS = ("Auto", "GGUF", "Safetensors")
+# Weights and KV dtype of the engines (`kvmesh serve --dtype`); the engine's own default is bfloat16.
+DTYPES = ("bfloat16", "float16", "float32")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 
 DEFAULT_IMAGE = "kvmesh/kvmesh:0.1.0"
 DEFAULT_PULL_POLICY = "IfNotPresent"
+DEFAULT_DTYPE = "bfloat16"
 DEFAULT_REPLICAS = 1
 DEFAULT_GPUS = 1
 DEFAULT_CACHE_MEMORY = "8Gi"
@@ -108,6 +111,7 @@ class Model:
     uri: str | None = None
     volume: VolumeSource | None = None
     format: str = "Auto"
+    dtype: str = DEFAULT_DTYPE
 
 
 @dataclass(frozen=True)
@@ -233,12 +237,17 @@ def _model(raw: Any) -> Model:
         )
     if source_type == "URI" and not src.get("uri"):
         raise SpecError("spec.model.source.uri is required when source.type is URI")
+    dtype = str(m.get("dtype", DEFAULT_DTYPE))
+    if dtype not in DTYPES:
+        # The CRD's enum rejects it first; checked here too because the engine would exit at start.
+        raise SpecError(f"spec.model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return Model(
         name=str(name),
         source_type=source_type,
         uri=src.get("uri"),
         volume=volume,
         format=str(m.get("format", "Auto")),
+        dtype=dtype,
     )
 
 

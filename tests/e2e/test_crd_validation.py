@@ -53,6 +53,7 @@ def test_minimal_valid_spec_is_accepted_and_defaulted(cluster, crd_installed, na
     assert spec["slo"]["percentile"] == 95
     assert spec["model"]["source"]["type"] == "Embedded"
     assert spec["autoscaling"]["enabled"] is False
+    assert spec["model"]["dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("name,spec,message", [
@@ -71,6 +72,7 @@ def test_minimal_valid_spec_is_accepted_and_defaulted(cluster, crd_installed, na
     ("volume-without-volume", edited(model__source={"type": "Volume"}),
      "source.volume is required when source.type is Volume"),
     ("bad-policy", edited(router__policy="random"), "Unsupported value: \"random\""),
+    ("bad-dtype", edited(model__dtype="fp8"), "Unsupported value: \"fp8\""),
     ("occupancy", edited(autoscaling={"kvOccupancyTarget": 1.5}),
      "autoscaling.kvOccupancyTarget must be in (0, 1]"),
 ])

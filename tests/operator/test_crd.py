@@ -63,6 +63,7 @@ def test_schema_is_structural():
     {"model": {"name": "m"}},
     {"model": {"name": "m", "source": {"type": "URI", "uri": "https://x/m.gguf"}},
      "prefill": {"replicas": 0}, "decode": {"resources": {"cpu": "2"}}},
+    {"model": {"name": "m", "dtype": "float32"}},
 ])
 def test_crd_defaults_match_parse_spec_defaults(spec):
     defaulted = apply_defaults(schema()["properties"]["spec"], copy.deepcopy(spec))
@@ -116,3 +117,12 @@ def test_scale_selector_in_status_selects_the_decode_pods():
     decode = next(o for o in render_all(cr) if o["kind"] == "Deployment"
                   and o["metadata"]["name"] == "llm-decode")
     assert terms == decode["spec"]["selector"]["matchLabels"]
+
+
+def test_model_dtype_is_one_of_what_the_engine_accepts():
+    from kvmesh.engine.config import parse_dtype
+
+    dtype = schema()["properties"]["spec"]["properties"]["model"]["properties"]["dtype"]
+    assert dtype["default"] == "bfloat16"
+    for name in dtype["enum"]:
+        parse_dtype(name)  # raises for a name `kvmesh serve --dtype` would refuse

@@ -1,6 +1,7 @@
 import argparse
 import copy
 
+import pytest
 import yaml
 
 from kvmesh.engine.server.cli import add_serve_arguments
@@ -186,6 +187,7 @@ def test_edits_roll_only_the_pools_that_consume_them():
     assert _changed_templates(lambda s: s["model"].update(name="other")) == {
         "prefill", "decode", "router"}
     assert _changed_templates(lambda s: s.update(image="kvmesh/kvmesh:0.2.0")) == set(COMPONENTS)
+    assert _changed_templates(lambda s: s["model"].update(dtype="float32")) == {"prefill", "decode"}
 
 
 def test_scaling_changes_only_the_replica_count():
@@ -265,6 +267,41 @@ def test_configmap_carries_the_autoscaler_bounds_per_resized_pool():
     cr["spec"]["prefill"]["replicas"] = 0  # colocated: only the decode pool is resized
     cfg = yaml.safe_load(by_key(r.render_all(cr))[("ConfigMap", "llm-config")]["data"][r.CONFIG_FILE])
     assert set(cfg["autoscaling"]["pools"]) == {"decode"}
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("colocated", [False, True])
+def test_engines_run_the_model_dtype(dtype, colocated, tmp_path):
+    """Every engine command line names the dtype (the default too), and `kvmesh serve` parses it,
+    with the rendered kvmesh.yaml, into the engine configuration as given; routers and cache nodes
+    get none."""
+    from kvmesh.engine.config import parse_dtype
+    from kvmesh.engine.server.cli import settings_from_args
+
+    cr = make_cr()
+    if dtype is not None:
+        cr["spec"]["model"]["dtype"] = dtype
+    if colocated:
+        cr["spec"]["prefill"]["replicas"] = 0
+    objs = r.render_all(cr)
+    config = tmp_path / r.CONFIG_FILE
+    config.write_text(by_key(objs)[("ConfigMap", "llm-config")]["data"][r.CONFIG_FILE])
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    want = dtype or "bfloat16"
+    for c in ("prefill", "decode"):
+        line = argv(objs, c)
+        line[line.index("--config") + 1] = str(config)  # the ConfigMap's mount, here
+        args = parser.parse_args(line[2:])
+        assert args.dtype == want
+        engine = settings_from_args(args).engine
+        assert engine.dtype == want
+        engine.validate()
+        assert engine.torch_dtype() == parse_dtype(want)
+    for c in ("cache", "router"):
+        assert "--dtype" not in argv(objs, c)
+    cfg = yaml.safe_load(by_key(objs)[("ConfigMap", "llm-config")]["data"][r.CONFIG_FILE])
+    assert "dtype" not in cfg["model"]  # only the engines read it, from their arguments
 
 
 def test_engines_drain_within_their_grace_period():

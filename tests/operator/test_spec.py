@@ -54,6 +54,14 @@ def test_uri_source_needs_uri():
         s.parse_spec({"model": {"name": "m", "source": {"type": "URI"}}})
 
 
+def test_model_dtype_defaults_to_the_engines_default_and_is_checked():
+    assert s.parse_spec({"model": {"name": "m"}}).model.dtype == s.DEFAULT_DTYPE == "bfloat16"
+    for dtype in s.DTYPES:
+        assert s.parse_spec({"model": {"name": "m", "dtype": dtype}}).model.dtype == dtype
+    with pytest.raises(s.SpecError, match=r"spec.model.dtype must be one of bfloat16, float16, float32"):
+        s.parse_spec({"model": {"name": "m", "dtype": "fp8"}})
+
+
 def test_tolerations_are_parsed():
     spec = s.parse_spec({"model": {"name": "m"}, "decode": {"tolerations": [
         {"key": "pool", "operator": "Equal", "value": "a100", "effect": "NoSchedule"}]}})

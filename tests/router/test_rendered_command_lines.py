@@ -2,9 +2,9 @@
 
 A pod whose args the CLI rejects crash-loops, so this walks every component of a set of
 representative specs (colocated, disaggregated, with and without cache nodes, each model
-source and format, each router policy) through ``operator/render.py``'s ``component_args`` and
+source, format and dtype, each router policy) through ``operator/render.py``'s ``component_args`` and
 ``kvmesh.cli.build_parser``, and checks the flags land where they must: the engines' roles, the
-decode engines' KV transfer port, the router's prefill and decode pools.
+decode engines' KV transfer port, the engines' dtype, the router's prefill and decode pools.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ SPECS = {
     "volume-safetensors": _spec(model__source=VOLUME, model__format="Safetensors", prefill__replicas=0),
     "uri": _spec(model__source={"type": "URI", "uri": "s3://bucket/model"}),
     **{f"policy-{p}": _spec(router__policy=p) for p in POLICIES},
+    **{f"dtype-{d}": _spec(model__dtype=d) for d in s.DTYPES},
+    "colocated-float32": _spec(model__dtype="float32", prefill__replicas=0, cache__replicas=0),
 }
 OWNER = r.Owner("llm", "serving", "uid-1")
 PARSER = build_parser()
@@ -71,6 +73,7 @@ def test_rendered_command_line_parses(name, raw, component):
         # A disaggregated deployment runs prefill and decode engines; the decode ones listen for KV.
         assert args.role == ("both" if component == "decode" and spec.colocated else component)
         assert args.kv_transfer_port == (r.KV_TRANSFER_PORT if args.role == "decode" else 0)
+        assert args.dtype == spec.model.dtype == raw["model"].get("dtype", s.DEFAULT_DTYPE)
     if component == "router":
         assert args.policy == spec.router.policy
         settings = router_cli.settings_from_args(args)  # the flags also make valid settings
