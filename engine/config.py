@@ -43,7 +43,9 @@ class EngineConfig:
     (past it the blocks are recomputed). kv_transfer_timeout: how long a prefill/decode
     handoff may take (a decode engine's reservation waiting for its blocks, and again for the
     router's claim; a prefill engine's held blocks waiting for confirmation) before its blocks
-    are freed.
+    are freed. kv_transfer_reserve_tokens: a decode engine reserves the blocks of the prompt
+    plus max_tokens generated tokens, at most this many (0: all of max_tokens); a request within
+    it never needs another block.
     """
 
     model: str = "default"
@@ -68,6 +70,7 @@ class EngineConfig:
     cache_node: str | None = None
     cache_node_timeout: float = 5.0
     kv_transfer_timeout: float = 30.0
+    kv_transfer_reserve_tokens: int = 4096
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -103,6 +106,8 @@ class EngineConfig:
             raise ConfigError("a host KV tier or a cache node needs prefix caching; enable it")
         if self.cache_node_timeout <= 0:
             raise ConfigError(f"cache_node_timeout must be > 0 seconds, got {self.cache_node_timeout}")
+        if not isinstance(self.kv_transfer_reserve_tokens, int) or self.kv_transfer_reserve_tokens < 0:
+            raise ConfigError(f"kv_transfer_reserve_tokens must be >= 0, got {self.kv_transfer_reserve_tokens!r}")
         if self.kv_transfer_timeout <= 0:
             raise ConfigError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout}")
         parse_dtype(self.dtype)

@@ -191,7 +191,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, tiers=self.tiers)
         self.transfers = DecodeTransfers(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout,
-                                         cfg.kv_transfer_timeout)
+                                         cfg.kv_transfer_timeout, cfg.kv_transfer_reserve_tokens)
         self.held = HeldBlocks(self.kv)
         self.wake: Callable[[], None] | None = None
         """Set by the thread that drives the engine: called when work arrives from another thread

@@ -10,8 +10,10 @@ Life of a transfer ``T``::
     claim(T, prompt, request_id)     the HTTP request arrives: its KV state is renamed to the
                                      request, which starts decoding without any prefill
 
-Invariants: a reservation holds every block its request can ever need, so a claimed request
-never allocates again and is never the reason for a preemption; the KV manager keys a reserved
+Invariants: a reservation holds every block its request can need for ``max_tokens`` generated
+tokens, capped at ``reserve_cap_tokens`` (0: no cap), so a claimed request within the cap never
+allocates again and is never the reason for a preemption (past the cap it allocates like any
+request); the KV manager keys a reserved
 transfer as ``transfer_key(T)`` (never a request id) until it is claimed; every reservation is
 freed exactly once: by ``claim`` (ownership moves to the request), ``cancel``, ``drop_owner``
 (its connection went away before the final push) or ``expire`` (no final push within the
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.block_hash import BlockHash
+from ..kv.block_pool import KVIntegrityError
 from ..kv.kv_manager import KVCacheManager
 from ..transfer.protocol import FirstToken
 from .errors import NoRoom, TooLarge, TransferMismatch, UnknownTransfer
@@ -58,11 +61,12 @@ class Reservation:
 
 class DecodeTransfers:
     def __init__(self, kv: KVCacheManager, kv_cache: torch.Tensor, transfer_timeout_s: float = 30.0,
-                 claim_timeout_s: float = 30.0) -> None:
+                 claim_timeout_s: float = 30.0, reserve_cap_tokens: int = 0) -> None:
         self.kv = kv
         self.kv_cache = kv_cache
         self.transfer_timeout_s = transfer_timeout_s
         self.claim_timeout_s = claim_timeout_s
+        self.reserve_cap_tokens = reserve_cap_tokens
         self._res: dict[str, Reservation] = {}
         self.expired = 0
 
@@ -85,11 +89,12 @@ class DecodeTransfers:
         if not ids or max_tokens < 1:
             raise TransferMismatch("a transfer needs a non-empty prompt and max_tokens >= 1")
         # KV exists for prompt + max_tokens - 1 tokens at most (the last sampled token is never fed back).
-        total = len(ids) + max_tokens - 1
+        growth = max_tokens - 1 if not self.reserve_cap_tokens else min(max_tokens - 1, self.reserve_cap_tokens)
+        total = len(ids) + growth
         need = self.kv.num_blocks_for(total)
         if need > self.kv.num_total_blocks:
-            raise TooLarge(f"the request needs {need} KV blocks ({len(ids)} prompt tokens + max_tokens="
-                           f"{max_tokens}); this decode engine has {self.kv.num_total_blocks} in all")
+            raise TooLarge(f"the request needs {need} KV blocks ({len(ids)} prompt tokens + {growth + 1} of "
+                           f"max_tokens={max_tokens}); this decode engine has {self.kv.num_total_blocks} in all")
         key = transfer_key(transfer_id)
         hits, num_hit = self.kv.get_computed_blocks(key, ids)
         blocks = self.kv.allocate_slots(key, ids, total - num_hit, hits, num_hit)
@@ -197,4 +202,4 @@ class DecodeTransfers:
         for t, r in self._res.items():
             held = len(self.kv.block_ids(transfer_key(t)))
             if held != r.num_blocks:
-                raise AssertionError(f"transfer {t!r} reserved {r.num_blocks} blocks but holds {held}")
+                raise KVIntegrityError(f"transfer {t!r} reserved {r.num_blocks} blocks but holds {held}")

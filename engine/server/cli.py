@@ -113,6 +113,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-transfer-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="bound on one prefill->decode handoff: a reservation waiting for its KV or for its "
                         "request, and held prefill blocks waiting for confirmation (default: %(default)s)")
+    s.add_argument("--kv-transfer-reserve-tokens", type=int, default=4096, metavar="N",
+                   help="decode role: blocks reserved for a transferred request cover its prompt and up to N of "
+                        "its max_tokens (0: all of them); within N it never needs another block "
+                        "(default: %(default)s)")
     s.add_argument("--kv-transfer-overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill role: push each prompt block to the decode engine as soon as its chunk is "
                         "computed, overlapping the transfer with later chunks (default: on)")
@@ -213,6 +217,7 @@ def settings_from_args(args: argparse.Namespace):  # -> ServeSettings (imported 
         attention_backend=args.attention_backend, num_threads=args.num_threads, seed=args.seed,
         cpu_kv_bytes=args.cpu_kv_bytes, cache_node=_cache_node(args),
         cache_node_timeout=args.cache_node_timeout, kv_transfer_timeout=args.kv_transfer_timeout,
+        kv_transfer_reserve_tokens=args.kv_transfer_reserve_tokens,
     )
     return ServeSettings(
         engine=engine, host=args.host, port=args.port, served_model_names=served_names,

@@ -182,3 +182,15 @@ def test_streamed_handoff_sends_blocks_as_chunks_complete(model_dir, loaded, ref
     for e in (p, d):
         e.check_integrity()
         assert not e.kv.requests
+
+
+def test_reservations_cover_max_tokens_up_to_the_cap(model_dir, loaded, reference):  # noqa: F811
+    """A large max_tokens (e.g. a chat request without one) reserves prompt + the cap; past the cap
+    the request allocates as it grows, and its tokens do not change."""
+    d = tiny_engine(model_dir, loaded, num_kv_blocks=64, kv_transfer_reserve_tokens=3).engine
+    p = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    res, _, toks = handoff_once(p, d, 0, PROMPTS[0], _greedy())  # 45 prompt tokens, 8 new
+    assert res.num_blocks == -(-(45 + 3) // BS)  # not -(-(45 + 7) // BS)
+    assert toks == reference[0]
+    d.check_integrity()
+    assert not d.kv.requests
