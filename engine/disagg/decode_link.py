@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,8 +42,11 @@ def _refusal(e: HandoffError) -> protocol.ErrorReply:
 class DecodeHandler:
     """Answers the prefill side for one decode engine (shared by every connection)."""
 
-    def __init__(self, engine: Any, *, payload_timeout_s: float = 60.0) -> None:
+    def __init__(self, engine: Any, *, payload_timeout_s: float = 60.0,
+                 accepting: Callable[[], bool] = lambda: True) -> None:
+        """``accepting`` is false while the server drains or stops: new reservations are refused."""
         self.engine = engine
+        self.accepting = accepting
         self.layout: BlockLayout = cache_layout(engine.kv.extra, engine.runner.kv_cache)
         self.block_shape = block_shape(engine.runner.kv_cache)
         self.dtype = engine.runner.kv_cache.dtype
@@ -66,6 +70,9 @@ class DecodeHandler:
         self.engine.drop_transfer_owner(ch)
 
     async def _reserve(self, msg: protocol.Reserve, ch: Channel) -> None:
+        if not self.accepting():
+            await ch.send(protocol.ErrorReply(protocol.ERR_NO_ROOM, "this decode engine is draining or stopping"))
+            return
         try:
             check_layout(self.layout, msg.layout)
         except HeaderMismatch as e:
@@ -111,8 +118,8 @@ class DecodeHandler:
 class DecodeEndpoint:
     """The listener and its loop thread; ``port`` is what ``/kv/info`` reports as ``transfer_port``."""
 
-    def __init__(self, engine: Any, port: int = 0) -> None:
-        self.handler = DecodeHandler(engine)
+    def __init__(self, engine: Any, port: int = 0, accepting: Callable[[], bool] = lambda: True) -> None:
+        self.handler = DecodeHandler(engine, accepting=accepting)
         self.loop = LoopThread("kvmesh-kv-transfer")
         self.server = KVServer(self.handler, port)
         try:

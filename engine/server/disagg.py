@@ -65,7 +65,7 @@ class DisaggServing:
         if self.role == "decode":
             from kvmesh.engine.disagg.decode_link import DecodeEndpoint
 
-            self.endpoint = DecodeEndpoint(engine, self.transfer_port)
+            self.endpoint = DecodeEndpoint(engine, self.transfer_port, accepting=lambda: self.aengine.ready)
         elif self.role == "prefill":
             from kvmesh.engine.disagg.gather import cache_layout
             from kvmesh.engine.disagg.prefill_link import DecodeLinks

@@ -181,3 +181,15 @@ def _safe(fn):
         return fn()
     except Exception as e:  # noqa: BLE001 - the test inspects it
         return e
+
+
+def test_a_draining_decode_engine_takes_no_new_transfers(prefill):
+    d = ServerProcess("--role", "decode", "--num-threads", "1", "--num-kv-blocks", "64").start()
+    try:
+        assert stage1(prefill, d, "before", _body()).status_code == 200
+        port = transfer_port(d)
+        assert httpx.post(d.url("/admin/drain"), timeout=10).status_code == 202
+        r = stage1(prefill, d, "during", _body(), port=port)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "decode_no_room"
+    finally:
+        d.stop()
