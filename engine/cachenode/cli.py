@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from typing import Any
 
@@ -75,9 +74,9 @@ def run_cache_node(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
-    # A restarted node must get its UCX port back at once, while connections of its previous life
-    # sit in TIME_WAIT (ucxx reads UCX_* variables when it first creates its context, below).
-    os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
+    from ..transfer.ucx_env import apply_ucx_defaults
+
+    apply_ucx_defaults()  # before ucxx creates its context, below
     import asyncio
 
     from .node import serve

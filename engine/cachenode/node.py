@@ -20,6 +20,7 @@ from ..kv.event_publisher import KVEventPublisher
 from ..kv.event_wire import topic_for
 from ..kv.events import TIER_REMOTE, KVEventLog
 from ..transfer.server import KVServer
+from ..transfer.ucx_env import stop_ucx_notifier
 from .http import SidePort
 from .service import CacheNodeHandler
 from .store import BlockStore
@@ -120,3 +121,4 @@ async def serve(settings: NodeSettings, stop: asyncio.Event | None = None) -> No
         log.info("cache node %s stopping", node.node_id)
     finally:
         await node.close()
+        stop_ucx_notifier()

@@ -25,7 +25,7 @@ from ..transfer import protocol
 from ..transfer.channel import Channel
 from ..transfer.errors import HeaderMismatch, TransferTimeout
 from ..transfer.header import BlockLayout, check_layout
-from ..transfer.loop_thread import LoopThread
+from ..transfer.loop_thread import shared_loop
 from ..transfer.server import KVServer
 from .errors import HandoffError, NoRoom, TooLarge, UnknownTransfer
 from .gather import block_shape, cache_layout
@@ -116,17 +116,13 @@ class DecodeHandler:
 
 
 class DecodeEndpoint:
-    """The listener and its loop thread; ``port`` is what ``/kv/info`` reports as ``transfer_port``."""
+    """The listener on the process's transfer loop; ``port`` is what ``/kv/info`` reports as ``transfer_port``."""
 
     def __init__(self, engine: Any, port: int = 0, accepting: Callable[[], bool] = lambda: True) -> None:
         self.handler = DecodeHandler(engine, accepting=accepting)
-        self.loop = LoopThread("kvmesh-kv-transfer")
+        self.loop = shared_loop()
         self.server = KVServer(self.handler, port)
-        try:
-            self.loop.call(self.server.start(), timeout=30.0)
-        except BaseException:
-            self.loop.close()
-            raise
+        self.loop.call(self.server.start(), timeout=30.0)
         self.port = self.server.port
         log.info("KV transfer: decode endpoint on UCX port %d", self.port)
 
@@ -135,4 +131,3 @@ class DecodeEndpoint:
             self.loop.call(self.server.close(), timeout=10.0)
         except Exception:  # noqa: BLE001 - closing anyway
             log.debug("KV transfer endpoint close failed", exc_info=True)
-        self.loop.close()

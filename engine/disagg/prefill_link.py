@@ -23,7 +23,7 @@ from ..transfer.buffers import as_bytes
 from ..transfer.client import AsyncKVClient
 from ..transfer.errors import TransferError
 from ..transfer.header import BlockLayout
-from ..transfer.loop_thread import LoopThread
+from ..transfer.loop_thread import shared_loop
 from .prefill_side import KVHandoff
 
 T = TypeVar("T")
@@ -49,7 +49,7 @@ class DecodeLinks:
         self.layout = layout
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self.loop = LoopThread("kvmesh-kv-transfer")
+        self.loop = shared_loop()
         self._clients: dict[tuple[str, int], AsyncKVClient] = {}  # touched on the loop thread only
 
     def _client(self, host: str, port: int) -> AsyncKVClient:
@@ -117,4 +117,3 @@ class DecodeLinks:
             self.loop.call(close_all(), timeout=5.0)
         except Exception:  # noqa: BLE001 - closing anyway
             pass
-        self.loop.close()

@@ -101,14 +101,14 @@ class CacheNodeLink:
                 self._resolving = False
             return
         from ..transfer.client import KVClient
-        from ..transfer.loop_thread import LoopThread
+        from ..transfer.loop_thread import shared_loop
 
         with self._lock:
             if self._closed:
                 self._resolving = False
                 return
             if self._loop is None:
-                self._loop = LoopThread("kvmesh-cache-node")
+                self._loop = shared_loop()
             old, same = self._clients, self.peer == f"{addr}:{ucx_port}"
             if not same or old is None:
                 self._clients = (KVClient(addr, ucx_port, loop=self._loop, max_pending=64, max_connections=2,
@@ -128,8 +128,6 @@ class CacheNodeLink:
         with self._lock:
             self._closed = True
             clients, self._clients = self._clients, None
-            loop, self._loop = self._loop, None
+            self._loop = None  # the process's shared transfer loop: not ours to close
         for c in clients or ():
             c.close(timeout=2.0)
-        if loop is not None:
-            loop.close(2.0)

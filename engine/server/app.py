@@ -29,6 +29,7 @@ from kvmesh.engine.server.kv_routes import add_kv_routes
 from kvmesh.engine.server.metrics import ServerMetrics
 from kvmesh.engine.server.metrics_util import render
 from kvmesh.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.engine.transfer.ucx_env import stop_ucx_notifier
 
 log = logging.getLogger("kvmesh.server")
 
@@ -90,6 +91,10 @@ class ServerApp:
             finally:
                 await self.aengine.shutdown()
                 await asyncio.to_thread(self.disagg.close)
+                close_engine = getattr(self.aengine.engine, "close", None)  # the cache-node link, if any
+                if close_engine is not None:
+                    await asyncio.to_thread(close_engine)
+                await asyncio.to_thread(stop_ucx_notifier)
                 if self.kv_publisher is not None:
                     await asyncio.to_thread(self.kv_publisher.close)
 

@@ -305,7 +305,12 @@ class AsyncEngine:
     # ---- event-loop callbacks ---------------------------------------------------------
     def _on_loaded(self) -> None:
         for fn in self._load_callbacks:
-            fn()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - e.g. a KV transfer port that cannot bind
+                log.exception("starting the server's parts after the model load failed")
+                self._on_engine_failure(e)
+                return
         if self.state is ServerState.LOADING:
             self.state = ServerState.READY
         self.loaded.set()

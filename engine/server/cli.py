@@ -245,6 +245,9 @@ def handler(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvmesh.engine.server.runtime import serve
+    from kvmesh.engine.transfer.ucx_env import apply_ucx_defaults
+
+    apply_ucx_defaults()  # before any KV transfer (cache node, prefill/decode) creates ucxx's context
 
     return serve(settings)
 

@@ -79,3 +79,22 @@ class LoopThread:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_shared: LoopThread | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_loop() -> LoopThread:
+    """The process's transfer loop: created on first use, never closed (it ends with the process).
+
+    ucxx keeps one context per process and, with Python futures on (``ucx_env``), completes every
+    request on the event loop that created that context; so every ucxx user of a server process
+    (decode endpoint, links to decode engines, the cache-node link) runs on this one loop. This
+    is the one piece of process-wide state here, and it mirrors ucxx's own.
+    """
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared._closed:
+            _shared = LoopThread("kvmesh-transfer")
+        return _shared

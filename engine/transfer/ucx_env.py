@@ -1,0 +1,37 @@
+"""UCX settings every kvmesh process that uses ucxx applies before ucxx creates its context.
+
+ucxx reads ``UCX_*`` and ``UCXPY_*`` variables once, when its context is created (the first
+listener or endpoint), so these must be set before that; an explicit value in the environment
+always wins. Applied by the server entry points (`kvmesh serve`, `kvmesh cache-node`), whose
+ucxx users all share one event loop (``loop_thread.shared_loop``, or the cache node's own), as
+Python futures require; library users that run several loops keep ucxx's defaults.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULTS = {
+    # A restarted process must get its UCX port back at once, while connections of its previous
+    # life sit in TIME_WAIT.
+    "UCX_TCP_CM_REUSEADDR": "y",
+    # Without Python futures, a request waiting for a message (a listener's idle connection
+    # waiting for the next request) polls with asyncio.sleep(0) and keeps a whole core busy;
+    # with them it sleeps until ucxx's progress thread completes it.
+    "UCXPY_ENABLE_PYTHON_FUTURE": "1",
+}
+
+
+def apply_ucx_defaults() -> None:
+    for name, value in DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+def stop_ucx_notifier() -> None:
+    """Stop ucxx's Python-future notifier thread, if ucxx is in use: with it running, a process
+    can hang at exit waiting for that thread. Call once, when the process stops transferring."""
+    import sys
+
+    ucxx = sys.modules.get("ucxx")
+    if ucxx is not None:
+        ucxx.stop_notifier_thread()
