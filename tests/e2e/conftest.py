@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import ROOT, Cluster, OperatorProcess, wait_until
+from .helpers import IMAGE, ROOT, Cluster, OperatorProcess, wait_until
 
 CLUSTER = ROOT / "e2e" / "cluster"
 BUILD = ROOT / "e2e" / "build-binaries"
@@ -83,6 +83,41 @@ def namespace(cluster: Cluster, request) -> str:
         name, field_selector="metadata.name=default").items, timeout=60)
     yield name
     cluster.delete_namespace(name)
+
+
+@pytest.fixture(scope="session")
+def real_placement(cluster: Cluster) -> dict:
+    """For the tests that run the kvmesh image (test_real_pods*.py): the image built and imported
+    once per session, and the placement (nodeSelector, tolerations) that puts pods on a node that
+    runs containers. Skips unless the cluster has one (KVMESH_E2E_REAL_NODE=1, or
+    KVMESH_E2E_REAL_PODS=1 on an external cluster with the image loaded)."""
+    if cluster.local and not cluster.real_node:
+        pytest.skip("the local cluster has no real node (set KVMESH_E2E_REAL_NODE=1)")
+    if not cluster.local and os.environ.get("KVMESH_E2E_REAL_PODS") != "1":
+        pytest.skip("real pods on an external cluster need KVMESH_E2E_REAL_PODS=1 and the image loaded")
+    if cluster.local:
+        started = time.monotonic()
+        subprocess.run([str(ROOT / "e2e" / "image" / "build"), "--tag", IMAGE], check=True,
+                       timeout=3600)
+        built = time.monotonic()
+        subprocess.run([str(CLUSTER), "load-image", str(cluster.state_dir), IMAGE], check=True,
+                       timeout=1800)
+        print(f"\nimage built in {built - started:.0f}s, imported in {time.monotonic() - built:.0f}s")
+    if cluster.core.list_node(label_selector="kvmesh.io/real-node=true").items:
+        return {  # the local cluster's real node is tainted so that nothing else lands there
+            "nodeSelector": {"kvmesh.io/real-node": "true"},
+            "tolerations": [{"key": "kvmesh.io/real-node", "operator": "Exists",
+                             "effect": "NoSchedule"}],
+        }
+    return {"nodeSelector": {"kvmesh.io/pool": "cpu"}}  # kind's CPU pool
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """transformers' fp32 greedy tokens for the default model (see realpods.HFReference)."""
+    from .realpods import HFReference
+
+    return HFReference()
 
 
 @pytest.fixture(scope="module")
