@@ -16,19 +16,12 @@ import pytest
 from kvmesh.engine.disagg.prefill_side import DECODE
 
 from ..cachenode.test_node_process import NodeProc
+from ..engine.test_cache_node_tier import _wait
 from ..engine.test_host_tier import MAX_NEW, PROMPTS, loaded, model_dir, tiny_engine  # noqa: F401
 from .handoff import prefill
 from .test_handoff_engine import _greedy
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _wait(cond, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(what)
-        time.sleep(0.05)
 
 
 def test_blocks_are_freed_only_after_decode_and_the_cache_node_confirmed(model_dir, loaded):  # noqa: F811
