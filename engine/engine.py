@@ -43,7 +43,6 @@ from kvmesh.engine.stream import RequestStream
 from kvmesh.engine.transfer.protocol import FirstToken
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
-_TRANSFER_COMMANDS = frozenset({"reserve", "check_push", "fill", "cancel", "drop_owner", "release", "claim"})
 
 log = logging.getLogger("kvmesh.engine")
 
@@ -305,41 +304,43 @@ class LLMEngine:
         self._commands.put(("abort", request_id))
 
     # ---- prefill/decode handoffs (thread-safe; run at the next step or idle tick) --------------
-    def _command(self, kind: str, arg: object) -> None:
-        self._commands.put((kind, arg))
+    def _on_step_thread(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` at the next step or idle tick (the thread that owns the KV state); the
+        future gives its result, or its ``HandoffError``."""
+        fut: Future = Future()
+        self._commands.put(("call", (fn, fut)))
         if self.wake is not None:
             self.wake()
+        return fut
 
     def reserve_transfer(self, transfer_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
                          owner: object = None) -> Future:
         """Decode role: reserve blocks for a transfer; the future gives a ``Reservation`` or
         fails with ``NoRoom``/``TooLarge``/``TransferMismatch``."""
-        fut: Future = Future()
-        self._command("reserve", (transfer_id, list(prompt_token_ids), max_tokens, owner, fut))
-        return fut
+        ids = list(prompt_token_ids)
+        return self._on_step_thread(
+            lambda: self.transfers.reserve(transfer_id, ids, max_tokens, time.monotonic(), owner=owner))
 
     def check_push(self, transfer_id: str, start: int, hashes: Sequence[bytes | None], final: bool) -> Future:
-        fut: Future = Future()
-        self._command("check_push", (transfer_id, start, list(hashes), final, fut))
-        return fut
+        hashes = list(hashes)
+        return self._on_step_thread(lambda: self.transfers.check_push(transfer_id, start, hashes, final))
 
     def fill_transfer(self, transfer_id: str, start: int, data: torch.Tensor | None, final: bool,
                       first: FirstToken | None) -> Future:
         """Decode role: write pushed blocks (``[n, layers, 2, block_size, heads, dim]``) into the reservation."""
-        fut: Future = Future()
-        self._command("fill", (transfer_id, start, data, final, first, fut))
-        return fut
+        return self._on_step_thread(
+            lambda: self.transfers.fill(transfer_id, start, data, final, first, time.monotonic()))
 
     def cancel_transfer(self, transfer_id: str) -> None:
-        self._command("cancel", transfer_id)
+        self._on_step_thread(lambda: self.transfers.cancel(transfer_id))
 
     def drop_transfer_owner(self, owner: object) -> None:
         """Decode role: the connection ``owner`` closed; free its incomplete reservations."""
-        self._command("drop_owner", owner)
+        self._on_step_thread(lambda: self.transfers.drop_owner(owner))
 
     def release_handoff(self, request_id: str, consumer: str) -> None:
         """Prefill role: ``consumer`` is done with the handed-off request's blocks."""
-        self._command("release", (request_id, consumer))
+        self._on_step_thread(lambda: self.held.release(request_id, consumer))
 
     def has_pending_commands(self) -> bool:
         return not self._commands.empty()
@@ -378,39 +379,26 @@ class LLMEngine:
                 self._requests[arg.request_id] = arg
                 self._prompt_tokens += arg.num_prompt_tokens
                 self.scheduler.add(arg)
-            elif kind in _TRANSFER_COMMANDS:
-                self._transfer_command(kind, arg, outputs)
+            elif kind == "call":
+                self._run_call(*arg)
+            elif kind == "claim":
+                self._claim(*arg, outputs)
             else:
                 req = self._requests.get(arg)
                 if req is not None and not req.is_finished:
                     self.scheduler.finish(req, "abort")
                     outputs.append(self._finish_output(req))
 
-    def _transfer_command(self, kind: str, arg: Any, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()
-        if kind == "release":
-            self.held.release(*arg)
-        elif kind == "cancel":
-            self.transfers.cancel(arg)
-        elif kind == "drop_owner":
-            self.transfers.drop_owner(arg)
-        elif kind == "claim":
-            self._claim(*arg, outputs)
+    @staticmethod
+    def _run_call(fn: Callable[[], Any], fut: Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn()
+        except HandoffError as e:
+            fut.set_exception(e)
         else:
-            fut: Future = arg[-1]
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                if kind == "reserve":
-                    result: Any = self.transfers.reserve(*arg[:-2], now, owner=arg[-2])
-                elif kind == "check_push":
-                    result = self.transfers.check_push(*arg[:-1])
-                else:
-                    result = self.transfers.fill(*arg[:-1], now)
-            except HandoffError as e:
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
+            fut.set_result(result)
 
     def _claim(self, req: Request, transfer_id: str, claimed: Future | None, outputs: list[RequestOutput]) -> None:
         """Start a request from a completed transfer: its KV and first token are here already."""
