@@ -263,8 +263,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(self._on_engine_failure, e)
             return
         self.engine = engine
-        if hasattr(engine, "wake"):
-            engine.wake = self._wake.set
+        engine.wake = self._wake.set
         self.stats = engine.stats()
         loop.call_soon_threadsafe(self._on_loaded)
         try:
@@ -274,10 +273,9 @@ class AsyncEngine:
             loop.call_soon_threadsafe(self._on_engine_failure, e)
 
     def _run(self, engine: Any, loop: asyncio.AbstractEventLoop) -> None:
-        ticks = hasattr(engine, "idle_tick")  # test doubles of the engine may not have it
         while not self._stop:
             if not engine.has_unfinished_requests():
-                if ticks and (engine.has_pending_commands() or engine.has_timers()):
+                if engine.has_pending_commands() or engine.has_timers():
                     # KV transfer commands and expiries need no request to run.
                     outs = engine.idle_tick()
                     self.stats = engine.stats()
@@ -287,7 +285,7 @@ class AsyncEngine:
                         continue
                 # A submission sets _wake after add_request, so either we see its
                 # request above or the wait returns at once.
-                self._wake.wait(timeout=0.5 if ticks and engine.has_timers() else 1.0)
+                self._wake.wait(timeout=0.5 if engine.has_timers() else 1.0)
                 self._wake.clear()
                 continue
             before = self.stats.num_steps if self.stats is not None else -1

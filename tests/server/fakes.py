@@ -111,6 +111,18 @@ class FakeEngine:
         with self._lock:
             return bool(self._live)
 
+    # The driver's idle hooks (a real engine runs KV transfer commands and expiries there).
+    wake = None
+
+    def has_pending_commands(self) -> bool:
+        return False
+
+    def has_timers(self) -> bool:
+        return False
+
+    def idle_tick(self) -> list[RequestOutput]:
+        return []
+
     def _output(self, r: _Req, new: list[int], finished: bool, reason: str | None) -> RequestOutput:
         lps = [TokenLogprob(t, -0.5, [(t, -0.5), (t + 1, -1.5)]) for t in new] if r.params.logprobs is not None \
             else None
