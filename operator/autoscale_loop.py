@@ -149,6 +149,8 @@ class AutoscaleRunner:
                     pool, pool_io, spec.component(pool).termination_grace_period_seconds)
             scaler.io = pool_io
             outcome = scaler.step(d, now)
+            if outcome not in ("hold", "draining"):
+                log.info("%s/%s %s: %s (%s: %s)", ns, name, pool, outcome, d.reason, d.message)
             if self.metrics is not None:
                 self.metrics.record_step(ns, name, pool, outcome)
         status = self.status(obj, decisions, tracked, now)

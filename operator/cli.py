@@ -97,6 +97,8 @@ def handler(args: argparse.Namespace) -> int:
     if args.log_level != "DEBUG":
         # kopf logs every successful handler call at INFO: one line per watch event.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        # httpx logs every request at INFO: the autoscaler's scrapes, several per pod per period.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     return asyncio.run(run_operator(opts))
 
 

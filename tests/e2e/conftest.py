@@ -1,11 +1,11 @@
 """Fixtures for the e2e suite: one real control plane per test session.
 
-Without $KUBECONFIG, `e2e/cluster up` starts etcd, kube-apiserver,
+By default `e2e/cluster up` starts etcd, kube-apiserver,
 kube-controller-manager, kube-scheduler and kwok (fake GPU and CPU nodes) in a
-temporary directory, and `e2e/cluster down` stops them at the end. With
-$KUBECONFIG set (kind with a GPU node pool, say), the suite runs against that
-cluster instead and leaves it running; helm and kubectl then come from PATH,
-or from the harness's cache when PATH has none.
+temporary directory, and `e2e/cluster down` stops them at the end. Only with
+$KVMESH_E2E_KUBECONFIG set (kind with a GPU node pool, say; $KUBECONFIG alone is
+ignored) the suite runs against that cluster instead and leaves it running; helm
+and kubectl then come from PATH, or from the harness's cache when PATH has none.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import IMAGE, ROOT, Cluster, OperatorProcess, wait_until
+from .helpers import CPU_POOL_PLACEMENT, IMAGE, ROOT, Cluster, OperatorProcess, external_kubeconfig, wait_until
 
 CLUSTER = ROOT / "e2e" / "cluster"
 BUILD = ROOT / "e2e" / "build-binaries"
@@ -41,12 +41,12 @@ def _cached_bin_dirs() -> list[Path]:
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory) -> Cluster:
-    external = os.environ.get("KUBECONFIG")
-    if external:
+    external = external_kubeconfig(dict(os.environ))
+    if external is not None:
         needed = [t for t in ("kubectl", "helm") if shutil.which(t) is None]
         if needed:  # take them from the harness's cache (built if missing)
             subprocess.run([str(BUILD), "kubernetes", "helm"], check=True)
-        yield Cluster(Path(external), _cached_bin_dirs(), local=False)
+        yield Cluster(external, _cached_bin_dirs(), local=False)
         return
     state = tmp_path_factory.mktemp("cluster") / "state"
     started = time.monotonic()
@@ -109,7 +109,7 @@ def real_placement(cluster: Cluster) -> dict:
             "tolerations": [{"key": "kvmesh.io/real-node", "operator": "Exists",
                              "effect": "NoSchedule"}],
         }
-    return {"nodeSelector": {"kvmesh.io/pool": "cpu"}}  # kind's CPU pool
+    return CPU_POOL_PLACEMENT
 
 
 @pytest.fixture(scope="session")
@@ -121,11 +121,13 @@ def hf_reference():
 
 
 @pytest.fixture(scope="module")
-def operator(cluster: Cluster, crd_installed, namespace: str, tmp_path_factory):
-    """The operator, run as the admin user, watching the module's namespace."""
+def operator(cluster: Cluster, crd_installed, namespace: str, tmp_path_factory, request):
+    """The operator, run as the admin user, watching the module's namespace (a module's
+    OPERATOR_ARGS are added to its command line)."""
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     op = OperatorProcess.start(cluster.kubeconfig, log, "--namespace", namespace,
-                               "--lease-namespace", namespace, "--resync-period", "20")
+                               "--lease-namespace", namespace, "--resync-period", "20",
+                               *getattr(request.module, "OPERATOR_ARGS", ()))
     wait_until("operator to lead", op.is_leader, timeout=30)
     yield op
     op.stop()

@@ -24,6 +24,26 @@ GROUP, VERSION, PLURAL = "serving.kvmesh.io", "v1alpha1", "inferencedeployments"
 IMAGE = os.environ.get("KVMESH_E2E_IMAGE", "kvmesh/kvmesh:0.1.0")
 
 
+# Where real pods go on a cluster without the local real node: kind's CPU workers (e2e/kind).
+CPU_POOL_PLACEMENT = {"nodeSelector": {"kvmesh.io/pool": "cpu"}}
+EXTERNAL_KUBECONFIG = "KVMESH_E2E_KUBECONFIG"
+
+
+def external_kubeconfig(env: dict[str, str]) -> Path | None:
+    """The cluster the suite was explicitly told to use, or None: start a local one.
+
+    Only KVMESH_E2E_KUBECONFIG selects an existing cluster. A KUBECONFIG in the environment does
+    not: it may well point at a cluster someone depends on, and the suite creates namespaces,
+    CRDs and a Helm release wherever it runs."""
+    raw = env.get(EXTERNAL_KUBECONFIG, "").strip()
+    if not raw:
+        return None
+    path = Path(raw).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"{EXTERNAL_KUBECONFIG}={raw}: no such kubeconfig file")
+    return path
+
+
 def wait_until(what: str, check: Callable[[], Any], timeout: float = 60, every: float = 0.3):
     """Poll `check` until it returns something truthy; fail with `what` and the last value."""
     deadline = time.monotonic() + timeout
@@ -74,9 +94,9 @@ class Cluster:
                 "PATH": f"{path}{os.pathsep}{os.environ.get('PATH', '')}"}
 
     def run(self, *argv: str, check: bool = True, env: dict | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess:
+            timeout: float = 120, input: str | None = None) -> subprocess.CompletedProcess:
         result = subprocess.run(list(argv), env=env or self.env, capture_output=True, text=True,
-                                timeout=timeout)
+                                timeout=timeout, input=input)
         if check and result.returncode != 0:
             raise AssertionError(f"{' '.join(argv)} failed ({result.returncode}):\n"
                                  f"{result.stdout}\n{result.stderr}")

@@ -11,8 +11,10 @@ in test_parity_hf; the comparison stops there, since past it the contexts differ
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -105,6 +107,20 @@ def pod_get(cluster: Cluster, ns: str, pod: str, path: str) -> str:
     return cluster.kubectl("get", "--raw", f"/api/v1/namespaces/{ns}/pods/{pod}:8000/proxy{path}").stdout
 
 
+def pod_post(cluster: Cluster, ns: str, pod: str, path: str, body: dict) -> dict:
+    """POST JSON to a pod's HTTP port through the API server's pod proxy; the JSON answer
+    (an HTTP error fails with the pod's own answer in the message)."""
+    conf = cluster.api.configuration
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    headers.update({a["key"]: a["value"] for a in conf.auth_settings().values() if a["in"] == "header"})
+    url = f"{conf.host}/api/v1/namespaces/{ns}/pods/{pod}:8000/proxy{path}"
+    resp = cluster.api.rest_client.request("POST", url, headers=headers, body=body,
+                                           _request_timeout=600)
+    data = resp.read()
+    assert resp.status == 200, f"POST {path} on pod {pod}: HTTP {resp.status}: {data[:2000]!r}"
+    return json.loads(data)
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` whose labels include `labels` (0 when there are none)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -194,7 +210,58 @@ def chat_matches_reference(url: str, hf: HFReference, question: str, max_tokens:
     return r
 
 
-# ---- an engine pod deleted mid-stream -------------------------------------------------------------
+# ---- streams in flight ----------------------------------------------------------------------------
+
+
+class Stream(threading.Thread):
+    """A streamed greedy chat completion through `url`, read on its own thread.
+
+    `first` is set once the first chunk arrived (or the stream failed); after `join`, `outcome`
+    holds {"text", "tokens"} for a stream that ended normally, or {"error"}."""
+
+    def __init__(self, url: str, question: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.question, self.max_tokens = url, question, max_tokens
+        self.first = threading.Event()
+        self.outcome: dict = {}
+        self.ended_at: float | None = None  # time.monotonic() when the stream ended
+
+    def run(self) -> None:
+        try:
+            chunks = client(self.url).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": self.question}],
+                max_tokens=self.max_tokens, stream=True, **GREEDY)
+            text, tokens = "", []
+            for chunk in chunks:
+                self.first.set()
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                    if chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+                        tokens += [t.token for t in chunk.choices[0].logprobs.content]
+            self.outcome = {"text": text, "tokens": tokens}
+        except (openai.APIError, httpx.HTTPError) as exc:
+            self.outcome = {"error": exc}
+        finally:
+            self.ended_at = time.monotonic()
+            self.first.set()
+
+    def started(self, timeout: float = 300) -> "Stream":
+        """Start and wait for the first chunk."""
+        self.start()
+        assert self.first.wait(timeout), f"no first token for {self.question!r} within {timeout}s"
+        assert "error" not in self.outcome, f"{self.question!r}: {self.outcome['error']!r}"
+        return self
+
+    def finished(self, timeout: float = 600) -> dict:
+        self.join(timeout)
+        assert not self.is_alive(), f"the stream for {self.question!r} hung"
+        return self.outcome
+
+    def check_complete(self, hf: HFReference, where: str) -> None:
+        """The stream ended normally with the whole greedy answer."""
+        assert "text" in self.outcome, f"{where}: the stream failed: {self.outcome.get('error')!r}"
+        check_tokens(hf.greedy(self.question, self.max_tokens), self.outcome["tokens"],
+                     self.outcome["text"], where)
 
 
 def stream_while_deleting(cluster: Cluster, ns: str, victim: str, url: str, hf: HFReference) -> dict:
@@ -202,39 +269,16 @@ def stream_while_deleting(cluster: Cluster, ns: str, victim: str, url: str, hf: 
 
     The stream must end cleanly: a complete answer (the engine drains what it admitted on SIGTERM),
     which must then be the reference's, or an error, never a hang. Returns {"text"|"error": ...}."""
-    outcome: dict = {}
-    first = threading.Event()
-
-    def stream():
-        try:
-            chunks = client(url).chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": STORY}], max_tokens=STORY_TOKENS,
-                stream=True, **GREEDY)
-            text, tokens = "", []
-            for chunk in chunks:
-                first.set()
-                if chunk.choices:
-                    text += chunk.choices[0].delta.content or ""
-                    if chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
-                        tokens += [t.token for t in chunk.choices[0].logprobs.content]
-            outcome["text"], outcome["tokens"] = text, tokens
-        except (openai.APIError, httpx.HTTPError) as exc:
-            outcome["error"] = exc
-        finally:
-            first.set()
-
-    t = threading.Thread(target=stream)
-    t.start()
-    assert first.wait(300), "no first token"
+    stream = Stream(url, STORY, STORY_TOKENS)
+    stream.start()
+    assert stream.first.wait(300), "no first token"
     cluster.core.delete_namespaced_pod(victim, ns)
-    t.join(600)
-    assert not t.is_alive(), f"the stream hung after pod {victim} was deleted"
+    outcome = stream.finished()
     assert "text" in outcome or "error" in outcome
     print(f"\nstream after pod {victim} was deleted: "
           f"{'complete answer' if 'text' in outcome else repr(outcome['error'])}")
     if "text" in outcome:  # drained or retried: then it must be the whole greedy answer
-        check_tokens(hf.greedy(STORY, STORY_TOKENS), outcome["tokens"], outcome["text"],
-                     "the stream whose pod was deleted")
+        stream.check_complete(hf, "the stream whose pod was deleted")
     return outcome
 
 
