@@ -112,6 +112,16 @@ def real_placement(cluster: Cluster) -> dict:
     return CPU_POOL_PLACEMENT
 
 
+@pytest.fixture(scope="module")
+def router_url(cluster: Cluster, deployment: str, request):
+    """The router of the module's `deployment` (its CR is the module's NAME), through
+    `kubectl port-forward` to its Service."""
+    from .realpods import router_port_forward
+
+    with router_port_forward(cluster, deployment, request.module.NAME) as url:
+        yield url
+
+
 @pytest.fixture(scope="session")
 def hf_reference():
     """transformers' fp32 greedy tokens for the default model (see realpods.HFReference)."""

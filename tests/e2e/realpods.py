@@ -11,16 +11,15 @@ in test_parity_hf; the comparison stops there, since past it the contexts differ
 from __future__ import annotations
 
 import functools
-import json
 import subprocess
 import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import httpx
 import openai
+from openai.types.chat import ChatCompletion
 
 from .helpers import IMAGE, Cluster, free_port, wait_until
 
@@ -102,23 +101,29 @@ def router_port_forward(cluster: Cluster, ns: str, name: str) -> Iterator[str]:
         proc.wait(10)
 
 
-def pod_get(cluster: Cluster, ns: str, pod: str, path: str) -> str:
-    """GET on a pod's HTTP port through the API server's pod proxy."""
-    return cluster.kubectl("get", "--raw", f"/api/v1/namespaces/{ns}/pods/{pod}:8000/proxy{path}").stdout
-
-
-def pod_post(cluster: Cluster, ns: str, pod: str, path: str, body: dict) -> dict:
-    """POST JSON to a pod's HTTP port through the API server's pod proxy; the JSON answer
-    (an HTTP error fails with the pod's own answer in the message)."""
+def _pod_proxy(cluster: Cluster, method: str, ns: str, pod: str, path: str, body: dict | None = None) -> bytes:
+    """A request to a pod's HTTP port through the API server's pod proxy (also works on kind,
+    whose pod IPs the host cannot reach); an HTTP error fails with the pod's own answer."""
     conf = cluster.api.configuration
-    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    headers = {"Accept": "application/json", **({"Content-Type": "application/json"} if body else {})}
     headers.update({a["key"]: a["value"] for a in conf.auth_settings().values() if a["in"] == "header"})
     url = f"{conf.host}/api/v1/namespaces/{ns}/pods/{pod}:8000/proxy{path}"
-    resp = cluster.api.rest_client.request("POST", url, headers=headers, body=body,
-                                           _request_timeout=600)
+    resp = cluster.api.rest_client.request(method, url, headers=headers, body=body, _request_timeout=600)
     data = resp.read()
-    assert resp.status == 200, f"POST {path} on pod {pod}: HTTP {resp.status}: {data[:2000]!r}"
-    return json.loads(data)
+    assert resp.status == 200, f"{method} {path} on pod {pod}: HTTP {resp.status}: {data[:2000]!r}"
+    return data
+
+
+def pod_get(cluster: Cluster, ns: str, pod: str, path: str) -> str:
+    return _pod_proxy(cluster, "GET", ns, pod, path).decode()
+
+
+def pod_chat(cluster: Cluster, ns: str, pod: str, question: str, max_tokens: int = MAX_TOKENS) -> Any:
+    """A greedy chat completion sent to one engine pod, bypassing the router."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            **{k: v for k, v in GREEDY.items() if k != "extra_body"}, **GREEDY["extra_body"]}
+    data = _pod_proxy(cluster, "POST", ns, pod, "/v1/chat/completions", body)
+    return ChatCompletion.model_validate_json(data)
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -197,17 +202,22 @@ def check_tokens(ref: Reference, tokens: list[str], text: str, where: str) -> in
     return 0
 
 
-def chat_matches_reference(url: str, hf: HFReference, question: str, max_tokens: int = MAX_TOKENS,
-                           where: str = "") -> Any:
-    """One chat completion through the router, checked against the reference; returns the response."""
+def check_completion(hf: HFReference, question: str, max_tokens: int, r: Any, where: str = "") -> Any:
+    """A greedy chat completion (`ChatCompletion`) checked against the reference; returns it."""
     ref = hf.greedy(question, max_tokens)
-    r = client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
-                                            max_tokens=max_tokens, **GREEDY)
     assert r.usage.prompt_tokens == len(ref.prompt_ids)  # the same chat prompt
     assert r.usage.completion_tokens == max_tokens
     check_tokens(ref, [t.token for t in r.choices[0].logprobs.content], r.choices[0].message.content,
                  f"{where}{question!r}")
     return r
+
+
+def chat_matches_reference(url: str, hf: HFReference, question: str, max_tokens: int = MAX_TOKENS,
+                           where: str = "") -> Any:
+    """One chat completion through the router, checked against the reference; returns the response."""
+    r = client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                            max_tokens=max_tokens, **GREEDY)
+    return check_completion(hf, question, max_tokens, r, where)
 
 
 # ---- streams in flight ----------------------------------------------------------------------------
@@ -224,7 +234,6 @@ class Stream(threading.Thread):
         self.url, self.question, self.max_tokens = url, question, max_tokens
         self.first = threading.Event()
         self.outcome: dict = {}
-        self.ended_at: float | None = None  # time.monotonic() when the stream ended
 
     def run(self) -> None:
         try:
@@ -242,7 +251,6 @@ class Stream(threading.Thread):
         except (openai.APIError, httpx.HTTPError) as exc:
             self.outcome = {"error": exc}
         finally:
-            self.ended_at = time.monotonic()
             self.first.set()
 
     def started(self, timeout: float = 300) -> "Stream":

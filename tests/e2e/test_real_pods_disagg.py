@@ -16,7 +16,7 @@ import json
 import pytest
 
 from .realpods import (QUESTIONS, answered_later, chat_matches_reference, deploy, engine_spec, metric,
-                       pod_get, ready_pods, router_port_forward, stream_while_deleting,
+                       pod_get, ready_pods, stream_while_deleting,
                        wait_for_replacement)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
@@ -29,12 +29,6 @@ HANDOFFS = "kvmesh_kv_handoffs_total"
 def deployment(cluster, namespace, operator, real_placement):
     deploy(cluster, namespace, NAME, engine_spec(cluster, real_placement, prefill=1))
     return namespace
-
-
-@pytest.fixture(scope="module")
-def router_url(cluster, deployment):
-    with router_port_forward(cluster, deployment, NAME) as url:
-        yield url
 
 
 def _handoffs(cluster, ns, outcome="ok") -> float:

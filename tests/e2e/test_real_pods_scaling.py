@@ -26,9 +26,11 @@ import json
 
 import pytest
 
+from kvmesh.engine.config import EngineConfig
+
 from .helpers import wait_until
-from .realpods import (MODEL, QUESTIONS, Stream, chat_matches_reference, check_tokens, deploy,
-                       engine_spec, metric, pod_get, pod_post, ready_pods, router_port_forward)
+from .realpods import (MAX_TOKENS, QUESTIONS, Stream, chat_matches_reference, check_completion, deploy,
+                       engine_spec, metric, pod_chat, pod_get, ready_pods)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -41,7 +43,8 @@ SCALE_DOWN_WINDOW_S = 10
 STREAMS = ("Tell me a long story about a lighthouse keeper and a storm.",
            "Write a long essay about the history of bread.")
 STREAM_TOKENS = 300
-# Several KV blocks (16 tokens each) beyond the chat template's system prompt.
+BLOCK = EngineConfig.block_size  # the pods run the engine's default
+# Several KV blocks beyond the chat template's system prompt.
 LONG_QUESTION = ("Here are my notes from the garden this week. The tomatoes ripened early, the "
                  "beans climbed past the fence, the lettuce bolted in the heat, a hedgehog slept "
                  "under the compost heap, and the apple tree dropped half of its fruit before "
@@ -61,27 +64,8 @@ def deployment(cluster, namespace, operator, real_placement):
     return namespace
 
 
-@pytest.fixture(scope="module")
-def router_url(cluster, deployment):
-    with router_port_forward(cluster, deployment, NAME) as url:
-        yield url
-
-
 def _engines(cluster, ns) -> list[str]:
     return sorted(p.metadata.name for p in ready_pods(cluster, ns, NAME, "decode"))
-
-
-def _chat_on_pod(cluster, ns, pod: str, question: str, max_tokens: int = 16) -> dict:
-    return pod_post(cluster, ns, pod, "/v1/chat/completions", {
-        "model": MODEL, "messages": [{"role": "user", "content": question}],
-        "max_tokens": max_tokens, "temperature": 0, "logprobs": True, "ignore_eos": True})
-
-
-def _check_pod_answer(r: dict, hf_reference, question: str, where: str) -> None:
-    ref = hf_reference.greedy(question, 16)
-    assert r["usage"]["prompt_tokens"] == len(ref.prompt_ids)
-    check_tokens(ref, [t["token"] for t in r["choices"][0]["logprobs"]["content"]],
-                 r["choices"][0]["message"]["content"], where)
 
 
 def test_engines_and_router_are_given_the_cache_service(cluster, deployment):
@@ -98,10 +82,10 @@ def test_one_pod_reloads_from_the_cache_node_what_the_other_wrote(cluster, deplo
     never saw the prompt, reloads them from the node instead of recomputing, with exact tokens."""
     a, b = _engines(cluster, deployment)
     (node,) = ready_pods(cluster, deployment, NAME, "cache")
-    first = _chat_on_pod(cluster, deployment, a, LONG_QUESTION)
-    _check_pod_answer(first, hf_reference, LONG_QUESTION, f"pod {a}: ")
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    prompt_blocks = first["usage"]["prompt_tokens"] // 16
+    first = check_completion(hf_reference, LONG_QUESTION, MAX_TOKENS,
+                             pod_chat(cluster, deployment, a, LONG_QUESTION), f"pod {a}: ")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    prompt_blocks = first.usage.prompt_tokens // BLOCK
 
     def stored() -> float:
         return metric(pod_get(cluster, deployment, a, "/metrics"), "kvmesh_kv_tier_stored_total", **REMOTE)
@@ -111,15 +95,15 @@ def test_one_pod_reloads_from_the_cache_node_what_the_other_wrote(cluster, deplo
     node_text = pod_get(cluster, deployment, node.metadata.name, "/metrics")
     assert metric(node_text, "kvmesh_cachenode_puts_total") >= prompt_blocks - 1, node_text[-1500:]
 
-    second = _chat_on_pod(cluster, deployment, b, LONG_QUESTION)
-    _check_pod_answer(second, hf_reference, LONG_QUESTION, f"pod {b}, reloading: ")
-    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    second = check_completion(hf_reference, LONG_QUESTION, MAX_TOKENS,
+                              pod_chat(cluster, deployment, b, LONG_QUESTION), f"pod {b}, reloading: ")
+    cached = second.usage.prompt_tokens_details.cached_tokens
     # Every full block of the prompt but the last (the engine recomputes at least one token).
-    assert cached >= (prompt_blocks - 1) * 16, second["usage"]
+    assert cached >= (prompt_blocks - 1) * BLOCK, second.usage
     b_text = pod_get(cluster, deployment, b, "/metrics")
     assert metric(b_text, "kvmesh_kv_tier_promotions_total", **REMOTE) >= prompt_blocks - 1, [
         line for line in b_text.splitlines() if "tier" in line and "remote" in line]
-    print(f"\npod {b} reloaded {cached} of {second['usage']['prompt_tokens']} prompt tokens "
+    print(f"\npod {b} reloaded {cached} of {second.usage.prompt_tokens} prompt tokens "
           f"from the cache node")
 
 
