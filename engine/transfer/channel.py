@@ -7,7 +7,9 @@ receiver allocate more than the header announced. Payload messages carry their i
 as the tag, so several may be in flight at once without relying on matching order.
 
 Must run on the event loop that drives ucxx (see ``loop_thread``). Every ucxx failure surfaces as
-``PeerGone``; a ``Channel`` that raised is broken and must be aborted, never reused.
+``PeerGone``; a ``Channel`` that raised is broken and must be aborted, never reused. Every ucxx
+operation is posted through ``posted.post``: a caller that times out or is cancelled stops waiting,
+but the operation (with its buffer) lives until ``abort`` makes UCX complete it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 from ucxx.exceptions import UCXError
 
 from . import protocol
+from .posted import post
 from .errors import PeerGone, ProtocolError
 
 MAX_CONTROL_BYTES = 64 << 20
@@ -52,18 +55,18 @@ class Channel:
 
     async def _send_two(self, body: np.ndarray) -> None:
         ep = self._live()
-        await ep.send(np.array([body.nbytes], np.uint64))
-        await ep.send(body)
+        await post(ep.send(np.array([body.nbytes], np.uint64)))
+        await post(ep.send(body))
 
     async def recv(self) -> protocol.Message:
         size = np.empty(1, np.uint64)
-        await self._io(self._live().recv(size), "waiting for a control message")
+        await self._io(post(self._live().recv(size)), "waiting for a control message")
         n = int(size[0])
         if not 0 < n <= MAX_CONTROL_BYTES:
             self.broken = True
             raise ProtocolError(f"{self.peer} announced a {n}-byte control message (limit {MAX_CONTROL_BYTES})")
         body = np.empty(n, np.uint8)
-        await self._io(self._live().recv(body), "receiving a control message")
+        await self._io(post(self._live().recv(body)), "receiving a control message")
         self.received += 1
         try:
             return protocol.decode(body.data)
@@ -104,14 +107,13 @@ class Channel:
     @staticmethod
     async def _windowed(coros: list) -> None:
         # Coroutines are started in index order, window by window; each posts its ucxx request on
-        # its first step, so requests are posted in order and matched by their distinct tags.
+        # its first step, so requests are posted in order and matched by their distinct tags. A
+        # failed window leaves its other operations posted: the caller's abort completes them.
         for start in range(0, len(coros), PAYLOAD_WINDOW):
-            batch = [asyncio.ensure_future(c) for c in coros[start:start + PAYLOAD_WINDOW]]
+            batch = [post(c) for c in coros[start:start + PAYLOAD_WINDOW]]
             try:
                 await asyncio.gather(*batch)
             except BaseException:
-                for t in batch:
-                    t.cancel()
                 for c in coros[start + PAYLOAD_WINDOW:]:
                     c.close()  # never started: close so Python does not warn about them
                 raise
@@ -149,6 +151,6 @@ class Channel:
         if ep is None:
             return
         try:
-            await ep.close()
+            await post(ep.close())
         except UCXError:
             ep.abort()

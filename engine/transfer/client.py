@@ -38,6 +38,7 @@ from .errors import (ConnectFailed, HeaderMismatch, PeerGone, ProtocolError, Rem
                      TransferTimeout)
 from .header import BlockBatch, BlockLayout, check_batch
 from .loop_thread import LoopThread
+from .posted import start
 
 T = TypeVar("T")
 
@@ -72,6 +73,8 @@ class AsyncKVClient:
         self._idle: list[Channel] = []
         self._busy: set[Channel] = set()
         self._closed = False
+        self._handshake: asyncio.Task | None = None  # the handshake under way, if any (see _connect)
+        self._handshake_waiters = 0
 
     # ---- requests -------------------------------------------------------------------------------
     async def put(self, blocks: Sequence[KVBlock], timeout: float | None = None) -> list[str]:
@@ -231,6 +234,15 @@ class AsyncKVClient:
             self._idle.append(ch)
         return result
 
+    def _handshake_done(self, attempt: asyncio.Task) -> None:
+        if self._handshake is not attempt:
+            return  # a caller took it
+        if attempt.cancelled() or attempt.exception() is not None:
+            self._handshake = None  # failed: the next connect starts a fresh one
+        elif self._handshake_waiters == 0 or self._closed:
+            self._handshake = None
+            attempt.result().abort()  # connected after every caller gave up
+
     def _pooled(self) -> Channel | None:
         while self._idle:
             ch = self._idle.pop()
@@ -244,13 +256,29 @@ class AsyncKVClient:
         ch.abort()
 
     async def _connect(self) -> Channel:
-        try:
-            ep = await asyncio.wait_for(
-                ucxx.create_endpoint(self.host, self.port, connect_timeout=self.connect_timeout),
-                self.connect_timeout)
-        except (UCXError, OSError, TimeoutError) as e:
-            raise ConnectFailed(f"cannot connect to KV peer {self.peer}: {type(e).__name__}: {e or 'timed out'} "
-                                "(is it running and is its UCX port reachable?)") from None
+        # ucxx's handshake receives the peer's info into a buffer that is freed when the handshake
+        # is abandoned (its own connect_timeout, or a cancel) while UCX keeps the receive posted: a
+        # peer that answers late (a stalled process resumed) then writes into freed memory. So a
+        # handshake is never abandoned: it runs without a timeout of its own (``posted.start``) and
+        # callers only stop waiting for it. There is at most one per client; a caller that finds
+        # one under way waits for it instead of starting another, and an endpoint that connects
+        # after every caller gave up is aborted (``_handshake_done``).
+        while True:
+            attempt = self._handshake
+            if attempt is None:
+                attempt = self._handshake = start(ucxx.create_endpoint(self.host, self.port, connect_timeout=None))
+                attempt.add_done_callback(self._handshake_done)
+            self._handshake_waiters += 1
+            try:
+                ep = await asyncio.wait_for(asyncio.shield(attempt), self.connect_timeout)
+            except (UCXError, OSError, TimeoutError) as e:
+                raise ConnectFailed(f"cannot connect to KV peer {self.peer}: {type(e).__name__}: "
+                                    f"{e or 'timed out'} (is it running and is its UCX port reachable?)") from None
+            finally:
+                self._handshake_waiters -= 1
+            if self._handshake is attempt:  # the first caller to wake takes the endpoint
+                self._handshake = None
+                break
         ch = Channel(ep, self.peer)
         try:
             await ch.send(protocol.Hello(protocol.PROTOCOL_VERSION, "client"))

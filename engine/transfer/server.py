@@ -54,7 +54,10 @@ class KVServer:
         return len(self._channels)
 
     async def start(self) -> None:
-        self._listener = ucxx.create_listener(self._on_connect, port=self.requested_port)
+        # No handshake timeout: ucxx abandons a timed-out handshake while its receive stays posted
+        # into a freed buffer (see posted.py); a client that stalls mid-handshake holds one pending
+        # accept until it resumes or its connection fails.
+        self._listener = ucxx.create_listener(self._on_connect, port=self.requested_port, connect_timeout=None)
         log.info("KV transfer: listening on UCX port %d", self._listener.port)
 
     async def _on_connect(self, ep: object) -> None:

@@ -1,0 +1,1 @@
+"""Helpers shared by every test folder: free ports, managed processes, waits."""
