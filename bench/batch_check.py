@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from kvmesh.engine.server.metrics_util import parse_samples, sample_value
+from kvmesh.engine.util.metrics import parse_samples, sample_value
 from chat_client import send_chat
 
 

@@ -35,9 +35,6 @@ sent by hand per the HTTP contract (prompt lengths `--probe-tokens`): KV bytes, 
 and tail per request.
 
   cd / && /work/main/.venv/bin/python /work/main/bench/disagg.py --json /work/main/bench/results/disagg.json
-
-(Run it from outside the checkout, or as a script path: `python -m`/`-c` in the repository root
-would let its top-level `operator/` package shadow the standard library's.)
 """
 
 from __future__ import annotations
@@ -59,7 +56,7 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh.engine.server.metrics_util import parse_samples
+from kvmesh.engine.util.metrics import parse_samples
 from kvmesh.up import Supervisor, UpOptions, plan
 
 # Run as a script, bench/ is on sys.path.

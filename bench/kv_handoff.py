@@ -39,10 +39,9 @@ class Engine:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / f"{name}.log", "wb")
-        # From a scratch cwd: the repository root would shadow the stdlib's `operator`.
         self.proc = subprocess.Popen([sys.executable, "-m", "kvmesh", "serve", "--port", str(self.port),
                                       "--num-threads", "1", "--num-kv-blocks", "1024", *flags],
-                                     cwd=log_dir, stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvmesh.engine.kv.block_hash import extra_key, hash_blocks
+from kvmesh.engine.block_hash import extra_key, hash_blocks
 from kvmesh.engine.transfer.buffers import KVBlock
 from kvmesh.engine.transfer.client import KVClient
 from kvmesh.engine.transfer.header import BlockHeader, kv_layout
@@ -92,7 +92,7 @@ def ucx_gbps(tls: str, blocks: list[KVBlock], repeat: int) -> dict[str, list[flo
     nbytes = sum(b.nbytes for b in blocks)
     node = subprocess.Popen([kvmesh, "cache-node", "--memory", str(4 * nbytes), "--host", "127.0.0.1",
                              "--port", str(http_port), "--ucx-port", str(ucx_port), "--log-level", "warning"],
-                            cwd="/", env=env)
+                            env=env)
     os.environ["UCX_TLS"] = tls  # this process's ucxx context is created by the first client below
     try:
         for _ in range(600):
@@ -141,7 +141,7 @@ def main() -> None:
     for tls in args.tls or ["tcp"]:
         # A child process per setting: ucxx reads UCX_TLS once, when its context is created.
         out = subprocess.run([sys.executable, __file__, "--tokens", str(args.tokens), "--repeat", str(args.repeat),
-                              "--one-tls", tls], cwd="/", capture_output=True, text=True, check=True)
+                              "--one-tls", tls], capture_output=True, text=True, check=True)
         res = json.loads(out.stdout.strip().splitlines()[-1])
         report[f"ucx[{tls}]"] = {f"{k}_gbps": round(med(v), 3) for k, v in res.items()}
     print(json.dumps(report, indent=1))

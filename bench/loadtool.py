@@ -45,8 +45,7 @@ def run_guidellm(exe: str, url: str, model: str, tok_dir: str, rate: float, n: i
     # Offline, and no more client processes than this machine has cores to spare.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "GUIDELLM__MAX_WORKER_PROCESSES": str(workers)}
-    # Run outside the repository: its top-level `operator/` would shadow the stdlib module.
-    proc = subprocess.run(cmd, cwd=out_dir, env=env, capture_output=True, text=True, timeout=7200)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=7200)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"guidellm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return {"command": " ".join(cmd), "env": {"GUIDELLM__MAX_WORKER_PROCESSES": str(workers)},

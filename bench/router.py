@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh.engine.server.metrics_util import parse_samples, sample_value
+from kvmesh.engine.util.metrics import parse_samples, sample_value
 from kvmesh.up import Supervisor, UpOptions, plan
 
 # Run as a script, bench/ is on sys.path.
@@ -222,7 +222,7 @@ def main() -> int:
     decision: dict = {}
     single: SystemResult | None = None
     log_root = Path(tempfile.mkdtemp(prefix="kvmesh-bench-router-"))
-    from kvmesh.engine.server.cli import parse_size
+    from kvmesh.engine.util.cliargs import parse_size
 
     if not args.no_single:
         big = str(parse_size(args.kv_cache_bytes) * args.engines)

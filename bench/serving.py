@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh.engine.server.metrics_util import parse_samples, sample_value
+from kvmesh.engine.util.metrics import parse_samples, sample_value
 
 # Run as a script, bench/ is on sys.path.
 from batch_check import burst, offline_throughput  # noqa: E402

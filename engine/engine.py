@@ -25,9 +25,9 @@ import torch
 from kvmesh.engine.config import ConfigError, EngineConfig
 from kvmesh.engine.disagg.decode_side import DecodeTransfers, Reservation
 from kvmesh.engine.disagg.errors import HandoffError
-from kvmesh.engine.disagg.gather import gather_blocks
+from kvmesh.engine.kv.gather import gather_blocks
 from kvmesh.engine.disagg.prefill_side import HeldBlocks, KVHandoff
-from kvmesh.engine.kv.block_hash import extra_key
+from kvmesh.engine.block_hash import extra_key
 from kvmesh.engine.kv.events import KVEvent, KVEventLog
 from kvmesh.engine.kv.kv_manager import KVCacheManager
 from kvmesh.engine.kv.tiers import KVTiers, TierSnapshot

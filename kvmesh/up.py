@@ -186,8 +186,6 @@ def _start(spec: ProcSpec, run_dir: Path) -> Child:
     log_path = run_dir / f"{spec.name}.log"
     log = open(log_path, "wb")
     env = {**os.environ, **spec.env}
-    # cwd is the run directory: `python -m` puts the cwd on sys.path, and a checkout's root
-    # would shadow the standard library's `operator` module.
     proc = subprocess.Popen([*kvmesh_argv(), *spec.args], cwd=run_dir, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                             preexec_fn=_die_with_parent)
@@ -208,7 +206,7 @@ def status_line(child: Child) -> str:
     """One line for `child`: state plus, for an engine, load read from its /metrics."""
     import httpx
 
-    from kvmesh.engine.server.metrics_util import parse_samples, sample_value
+    from kvmesh.engine.util.metrics import parse_samples, sample_value
 
     state = "ready" if child.ready else "starting"
     line = f"{child.spec.name:<9} pid {child.proc.pid:<7} {state:<8} {child.spec.url}"

@@ -26,7 +26,7 @@ from typing import Any
 
 from prometheus_client.utils import floatToGoString
 
-from kvmesh.engine.server.metrics_util import REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS
+from kvmesh.engine.util.metrics import REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS
 
 DEPLOYMENT_LABEL = "inference_deployment"
 COMPONENT_LABEL = "component"

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvmesh.engine.server.metrics_util import CallbackCollector, counter, new_registry, render
+from kvmesh.engine.util.metrics import CallbackCollector, counter, new_registry, render
 
 from .autoscaler import Decision
 

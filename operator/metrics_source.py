@@ -24,7 +24,7 @@ from typing import Protocol
 
 import httpx
 
-from kvmesh.engine.server.metrics_util import parse_samples, sample_value
+from kvmesh.engine.util.metrics import parse_samples, sample_value
 
 from .autoscaler import PoolSample
 

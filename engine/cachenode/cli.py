@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Any
 
-from ..server.cli import parse_size, port_or_zero
+from kvmesh.engine.util.cliargs import parse_size, port_or_zero
 
 
 def add_cache_node_arguments(p: argparse.ArgumentParser) -> None:

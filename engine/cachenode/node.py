@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from ..kv.block_hash import ROOT_HASH
+from kvmesh.engine.block_hash import ROOT_HASH
 from ..kv.event_publisher import KVEventPublisher
 from ..kv.event_wire import topic_for
 from ..kv.events import TIER_REMOTE, KVEventLog

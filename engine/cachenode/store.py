@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from ..kv.block_hash import BlockHash
+from kvmesh.engine.block_hash import BlockHash
 from ..kv.events import TIER_REMOTE, BlockRemoved, BlockStored, KVEventHandler
 from ..transfer.errors import HeaderMismatch
 from ..transfer.header import BlockBatch, BlockHeader, BlockLayout, check_batch, check_layout

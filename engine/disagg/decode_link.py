@@ -28,7 +28,7 @@ from ..transfer.header import BlockLayout, check_layout
 from ..transfer.loop_thread import shared_loop
 from ..transfer.server import KVServer
 from .errors import HandoffError, NoRoom, TooLarge, UnknownTransfer
-from .gather import block_shape, cache_layout
+from kvmesh.engine.kv.gather import block_shape, cache_layout
 
 log = logging.getLogger("kvmesh.disagg")
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv.block_hash import BlockHash
+from kvmesh.engine.block_hash import BlockHash
 from ..kv.block_pool import KVIntegrityError
 from ..kv.kv_manager import KVCacheManager
 from ..transfer.protocol import FirstToken
 from .errors import NoRoom, TooLarge, TransferMismatch, UnknownTransfer
-from .gather import scatter_blocks
+from kvmesh.engine.kv.gather import scatter_blocks
 
 
 def transfer_key(transfer_id: str) -> str:

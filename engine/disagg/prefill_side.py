@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kv.block_hash import BlockHash
+from kvmesh.engine.block_hash import BlockHash
 from ..kv.kv_manager import KVCacheManager
 from ..transfer.protocol import FirstToken
 

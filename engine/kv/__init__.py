@@ -3,7 +3,7 @@
 Pure Python; a block is an index into KV tensors owned by the model runner.
 """
 
-from .block_hash import ROOT_HASH, BlockHash, extra_key, hash_block, hash_blocks
+from kvmesh.engine.block_hash import ROOT_HASH, BlockHash, extra_key, hash_block, hash_blocks
 from .block_pool import BlockPool, FreeBlockQueue, KVBlock, KVIntegrityError, NoFreeBlocksError
 from .events import (
     TIER_CPU,

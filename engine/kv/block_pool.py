@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .block_hash import BlockHash
+from kvmesh.engine.block_hash import BlockHash
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventHandler, TIER_GPU, check_tier
 
 

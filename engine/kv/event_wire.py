@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from .block_hash import BlockHash
+from kvmesh.engine.block_hash import BlockHash
 from .events import TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventRecord, KVSnapshot
 
 TOPIC_PREFIX = b"kv-events"

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .block_hash import BlockHash
+from kvmesh.engine.block_hash import BlockHash
 
 TIER_GPU = "gpu"
 """The engine's primary KV pool (device memory; on a CPU-only build, the pool the model reads)."""

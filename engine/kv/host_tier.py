@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .block_hash import BlockHash
+from kvmesh.engine.block_hash import BlockHash
 from .block_pool import KVBlock, KVIntegrityError
 from .events import TIER_CPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventHandler
 

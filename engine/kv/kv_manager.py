@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from .block_hash import ROOT_HASH, BlockHash, hash_block
+from kvmesh.engine.block_hash import ROOT_HASH, BlockHash, hash_block
 from .block_pool import BlockPool, EvictHandler, KVBlock, KVIntegrityError
 from .events import TIER_GPU, KVEventHandler
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .block_hash import BlockHash
+from kvmesh.engine.block_hash import BlockHash
 from .events import TIERS, KVEvent, KVEventRecord, KVSnapshot, apply_event
 
 

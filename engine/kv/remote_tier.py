@@ -28,12 +28,12 @@ from typing import Any, Protocol
 
 import torch
 
-from ..disagg.gather import gather_blocks
+from kvmesh.engine.kv.gather import gather_blocks
 from ..transfer.buffers import KVBlock as WireBlock
 from ..transfer.buffers import as_bytes
 from ..transfer.errors import HeaderMismatch, TransferError
 from ..transfer.header import BlockHeader, BlockLayout
-from .block_hash import BlockHash
+from kvmesh.engine.block_hash import BlockHash
 from .host_tier import TierStats
 
 log = logging.getLogger("kvmesh.engine.remote")

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, EngineConfig
-from ..disagg.gather import block_shape, cache_layout
+from kvmesh.engine.kv.gather import block_shape, cache_layout
 from .events import KVEventHandler
 from .host_tier import HostTier
 from .kv_manager import KVCacheManager

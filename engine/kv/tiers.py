@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..disagg.gather import scatter_blocks
+from kvmesh.engine.kv.gather import scatter_blocks
 from .block_pool import KVBlock, KVIntegrityError
 from .events import TIER_CPU, TIER_GPU, TIER_REMOTE, AllBlocksCleared, BlockStored, KVEvent
 from .host_tier import HostTier, TierStats

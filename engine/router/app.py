@@ -31,9 +31,9 @@ from kvmesh.engine.router.policies import LoadModel, Policy, RouteRequest, build
 from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, PromptInfo, analyze, matched_tokens
 from kvmesh.engine.router.proxy import all_engines_down
 from kvmesh.engine.router.sessions import SessionTable, session_key
-from kvmesh.engine.server import errors
-from kvmesh.engine.server.errors import APIError
-from kvmesh.engine.server.metrics_util import render
+from kvmesh.engine.api import errors
+from kvmesh.engine.api.errors import APIError
+from kvmesh.engine.util.metrics import render
 
 log = logging.getLogger("kvmesh.router")
 

@@ -87,14 +87,14 @@ def add_router_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 def tokenizer_source(args: argparse.Namespace) -> str:
     """Where the engines' tokenizer lives: --model-path, else --config's model path, else --model."""
-    from kvmesh.engine.server.cli import ServeArgsError, _config_model_path
+    from kvmesh.engine.util.cliargs import ArgsError, config_model_path
 
     if args.model_path:
         return args.model_path
     if args.config:
         try:
-            path = _config_model_path(args.config)
-        except ServeArgsError as e:
+            path = config_model_path(args.config)
+        except ArgsError as e:
             raise RouterArgsError(str(e)) from None
         if path:
             return path

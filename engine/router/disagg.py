@@ -59,7 +59,7 @@ from kvmesh.engine.router.policies import (
     prefix_scorer,
 )
 from kvmesh.engine.router.prompt import COMPLETIONS, PromptInfo
-from kvmesh.engine.server.errors import APIError
+from kvmesh.engine.api.errors import APIError
 
 if TYPE_CHECKING:
     from kvmesh.engine.router.app import RouterApp

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.engine.kv.block_hash import BlockHash
+from kvmesh.engine.block_hash import BlockHash
 from kvmesh.engine.kv.events import (
     TIER_CPU,
     TIER_GPU,

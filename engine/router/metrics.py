@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvmesh.engine.server.metrics_util import (
+from kvmesh.engine.util.metrics import (
     EVENT_LOOP_LAG_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     CallbackCollector,

@@ -18,10 +18,10 @@ from typing import Any
 import msgspec
 import pydantic
 
-from kvmesh.engine.kv.block_hash import BlockHash, hash_blocks
-from kvmesh.engine.server import params
-from kvmesh.engine.server.errors import APIError
-from kvmesh.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.engine.block_hash import BlockHash, hash_blocks
+from kvmesh.engine.api import params
+from kvmesh.engine.api.errors import APIError
+from kvmesh.engine.api.protocol import ChatCompletionRequest, CompletionRequest
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

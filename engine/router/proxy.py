@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from kvmesh.engine.server import errors
-from kvmesh.engine.server.errors import APIError
+from kvmesh.engine.api import errors
+from kvmesh.engine.api.errors import APIError
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 

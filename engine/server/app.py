@@ -19,16 +19,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from kvmesh.engine.kv.event_publisher import KVEventPublisher
-from kvmesh.engine.server import errors
+from kvmesh.engine.api import errors
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
 from kvmesh.engine.server.disagg import DisaggServing
 from kvmesh.engine.server.drain import Drainer
-from kvmesh.engine.server.errors import APIError
+from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.server.generation import Serving
 from kvmesh.engine.server.kv_routes import add_kv_routes
 from kvmesh.engine.server.metrics import ServerMetrics
-from kvmesh.engine.server.metrics_util import render
-from kvmesh.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.engine.util.metrics import render
+from kvmesh.engine.api.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.engine.transfer.ucx_env import stop_ucx_notifier
 
 log = logging.getLogger("kvmesh.server")

@@ -33,7 +33,7 @@ from typing import Any
 
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling import SamplingParams
-from kvmesh.engine.server import errors
+from kvmesh.engine.api import errors
 
 log = logging.getLogger("kvmesh.server")
 

@@ -24,12 +24,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvmesh.engine.server import errors
+from kvmesh.engine.api import errors
 from kvmesh.engine.server.async_engine import AsyncEngine
 from kvmesh.engine.server.cli import ROLES
-from kvmesh.engine.server.errors import APIError
+from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.server.generation import Prepared, Serving, engine_error
-from kvmesh.engine.server.protocol import KVTransferParams
+from kvmesh.engine.api.protocol import KVTransferParams
 from kvmesh.engine.server.streaming import EventStreamResponse, watch_disconnect
 
 log = logging.getLogger("kvmesh.server.disagg")
@@ -67,7 +67,7 @@ class DisaggServing:
 
             self.endpoint = DecodeEndpoint(engine, self.transfer_port, accepting=lambda: self.aengine.ready)
         elif self.role == "prefill":
-            from kvmesh.engine.disagg.gather import cache_layout
+            from kvmesh.engine.kv.gather import cache_layout
             from kvmesh.engine.disagg.prefill_link import DecodeLinks
 
             # A connection attempt gets part of the transfer budget, so a dead peer is reported as

@@ -20,10 +20,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvmesh.engine.outputs import RequestOutput, TokenLogprob
-from kvmesh.engine.server import errors, params, responses
+from kvmesh.engine.api import errors, params
+from kvmesh.engine.server import responses
 from kvmesh.engine.server.async_engine import AsyncEngine, RequestGroup, SeqSubmission
-from kvmesh.engine.server.errors import APIError
-from kvmesh.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.engine.api.errors import APIError
+from kvmesh.engine.api.protocol import ChatCompletionRequest, CompletionRequest
 from kvmesh.engine.server.streaming import EventStreamResponse, watch_disconnect
 
 

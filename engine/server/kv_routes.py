@@ -12,10 +12,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from kvmesh.engine.kv.block_hash import ROOT_HASH
+from kvmesh.engine.block_hash import ROOT_HASH
 from kvmesh.engine.kv.event_publisher import KVEventPublisher
 from kvmesh.engine.kv.event_wire import snapshot_to_json, topic_for
-from kvmesh.engine.server import errors
+from kvmesh.engine.api import errors
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
 
 HASH_FUNCTION = "sha256"

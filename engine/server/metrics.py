@@ -26,7 +26,7 @@ from kvmesh.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:  # the engine module pulls in torch; only its dataclass is needed here
     from kvmesh.engine.engine import EngineStats
-from kvmesh.engine.server.metrics_util import (
+from kvmesh.engine.util.metrics import (
     EVENT_LOOP_LAG_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TOKEN_LATENCY_BUCKETS,

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 
 import msgspec
 
-from ..kv.block_hash import HASH_LEN, BlockHash
+from kvmesh.engine.block_hash import HASH_LEN, BlockHash
 from .errors import HeaderMismatch
 
 HEADER_VERSION = 1

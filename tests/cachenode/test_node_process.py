@@ -28,22 +28,11 @@ from kvmesh.engine.transfer.errors import ConnectFailed, HeaderMismatch, PeerGon
 from kvmesh.engine.transfer.header import BlockHeader
 from kvmesh.engine.transfer.loop_thread import LoopThread
 
-from ..server.serverproc import free_port_pair
+from tests.support.ports import free_port_pair, free_ports
 from ..transfer.kvdata import blocks, layout
 
 pytestmark = pytest.mark.timeout(120)
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class NodeProc:
@@ -57,7 +46,7 @@ class NodeProc:
         cmd = [KVMESH, "cache-node", "--memory", self.memory, "--host", "127.0.0.1", "--port", str(self.http_port),
                "--ucx-port", str(self.ucx_port), "--node-id", "node-t", "--kv-events-port", str(self.events_port),
                "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      env=dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n"))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

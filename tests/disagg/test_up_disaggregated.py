@@ -20,7 +20,7 @@ import pytest
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.sampling import SamplingParams
-from kvmesh.engine.server.metrics_util import parse_samples, sample_value
+from kvmesh.engine.util.metrics import parse_samples, sample_value
 from tests.server.serverproc import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -184,9 +184,7 @@ class OperatorProcess:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.operator", "--health-port", str(port),
              "--health-host", "127.0.0.1", *args],
-            # Not the repository root: `-m` puts the working directory first on sys.path, where
-            # the top-level operator/ folder would shadow the standard library's operator module.
-            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log.parent)
+            stdout=out, stderr=subprocess.STDOUT, env=env)
         out.close()
         op = cls(proc, log, port)
         wait_until("operator health endpoint", lambda: op.probe("/healthz") == 200 or

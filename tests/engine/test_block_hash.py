@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from kvmesh.engine.kv.block_hash import ROOT_HASH, extra_key, hash_block, hash_blocks
+from kvmesh.engine.block_hash import ROOT_HASH, extra_key, hash_block, hash_blocks
 
 VECTOR_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 70000, 4294967295, 9, 10, 11]
 VECTOR_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"

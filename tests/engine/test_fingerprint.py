@@ -6,7 +6,7 @@ import shutil
 
 import torch
 
-from kvmesh.engine.kv.block_hash import extra_key
+from kvmesh.engine.block_hash import extra_key
 from kvmesh.engine.model.loader import load_model
 
 from .tiny_models import make_tiny_gguf, make_tiny_hf_model

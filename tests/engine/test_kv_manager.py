@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvmesh.engine.kv.block_hash import extra_key, hash_blocks
+from kvmesh.engine.block_hash import extra_key, hash_blocks
 from kvmesh.engine.kv.block_pool import KVIntegrityError
 from kvmesh.engine.kv.events import (
     AllBlocksCleared,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from kvmesh.engine.kv.block_hash import extra_key
+from kvmesh.engine.block_hash import extra_key
 from kvmesh.engine.kv.kv_manager import KVCacheManager
 from kvmesh.engine.outputs import RequestMetrics
 from kvmesh.engine.request import Request, RequestStatus

@@ -269,8 +269,7 @@ class ChildSubscriber:
 
         script = Path(__file__).with_name("subscriber_child.py")
         argv = [sys.executable, str(script), pub.endpoint, pub.replay_endpoint, url] + ([drop] if drop else [])
-        # Run from / so the repository's top-level `operator/` cannot shadow the standard library.
-        self.proc = subprocess.Popen(argv, cwd="/", stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout.readline().strip() == "ready"
 
     def state_at(self, seq: int) -> dict:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from kvmesh.engine.kv.block_hash import ROOT_HASH, extra_key
+from kvmesh.engine.block_hash import ROOT_HASH, extra_key
 from kvmesh.engine.kv.event_publisher import KVEventPublisher
 from kvmesh.engine.kv.event_wire import snapshot_from_json
 from kvmesh.engine.kv.events import BlockRemoved, BlockStored, KVEventLog

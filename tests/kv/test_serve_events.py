@@ -13,7 +13,7 @@ import random
 import httpx
 import pytest
 
-from kvmesh.engine.kv.block_hash import ROOT_HASH, extra_key
+from kvmesh.engine.block_hash import ROOT_HASH, extra_key
 from kvmesh.engine.kv.event_subscriber import KVCacheMirror, KVEventSubscriber
 from kvmesh.engine.kv.event_wire import snapshot_from_json
 from kvmesh.engine.kv.events import BlockRemoved, KVEventRecord

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from kvmesh.cli import main
-from kvmesh.engine.server.metrics_util import REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS
+from kvmesh.engine.util.metrics import REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS
 from kvmesh.operator import dashboards as d
 from kvmesh.operator.render import OWNER_LABEL
 

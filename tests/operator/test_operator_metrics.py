@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvmesh.engine.server.metrics_util import parse_samples, sample_value
+from kvmesh.engine.util.metrics import parse_samples, sample_value
 from kvmesh.operator.autoscale_loop import AutoscaleRunner
 from kvmesh.operator.autoscaler import Decision
 from kvmesh.operator.health import HealthState, respond_bytes, serve_health

@@ -19,7 +19,7 @@ from typing import Any
 
 import uvicorn
 
-from kvmesh.engine.kv.block_hash import extra_key
+from kvmesh.engine.block_hash import extra_key
 
 EXTRA = extra_key("fake-model", "bfloat16")
 BLOCK_SIZE = 4

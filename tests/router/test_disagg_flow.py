@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from kvmesh.engine.router.app import RouterApp, RouterSettings
-from kvmesh.engine.server.metrics_util import parse_samples, sample_value
+from kvmesh.engine.util.metrics import parse_samples, sample_value
 from tests.server.fakes import FakeTokenizer
 
 from .fakes import Behavior, ServerThread

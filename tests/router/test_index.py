@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvmesh.engine.kv.block_hash import extra_key, hash_blocks
+from kvmesh.engine.block_hash import extra_key, hash_blocks
 from kvmesh.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog, KVSnapshot
 from kvmesh.engine.router.index import NO_MATCH, TIER_WEIGHTS, PrefixIndex
 

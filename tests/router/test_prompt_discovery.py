@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvmesh.engine.kv.block_hash import hash_blocks
+from kvmesh.engine.block_hash import hash_blocks
 from kvmesh.engine.router.discovery import (
     DiscoveryError,
     EngineState,
@@ -15,8 +15,8 @@ from kvmesh.engine.router.discovery import (
     url_for,
 )
 from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, analyze, common_hash_spec, matched_tokens
-from kvmesh.engine.server import params
-from kvmesh.engine.server.protocol import ChatCompletionRequest
+from kvmesh.engine.api import params
+from kvmesh.engine.api.protocol import ChatCompletionRequest
 from tests.server.fakes import FakeTokenizer
 
 from .fakes import EXTRA

@@ -17,12 +17,12 @@ import time
 import httpx
 import pytest
 
-from kvmesh.engine.kv.block_hash import hash_blocks
+from kvmesh.engine.block_hash import hash_blocks
 from kvmesh.engine.kv.events import KVSnapshot
 from kvmesh.engine.router.app import RouterApp, RouterSettings
 from kvmesh.engine.router.discovery import Fleet
 from kvmesh.engine.router.policies import LoadModel
-from kvmesh.engine.server.metrics_util import parse_samples, sample_value
+from kvmesh.engine.util.metrics import parse_samples, sample_value
 from tests.server.fakes import FakeTokenizer
 
 from .fakes import BLOCK_SIZE, EXTRA, Behavior, FakeEngine, ServerThread, free_port

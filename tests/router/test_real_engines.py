@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from kvmesh.engine.server.metrics_util import parse_samples, sample_value
+from kvmesh.engine.util.metrics import parse_samples, sample_value
 from tests.server.serverproc import ServerProcess, free_port_pair
 
 pytestmark = pytest.mark.slow

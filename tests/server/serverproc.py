@@ -13,41 +13,15 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh.engine.server.metrics_util import parse_samples, sample_value
+from tests.support.ports import free_port, free_port_pair  # noqa: F401 - re-exported for the tests
+
+from kvmesh.engine.util.metrics import parse_samples, sample_value
 
 READY_TIMEOUT_S = float(os.environ.get("KVMESH_TEST_READY_TIMEOUT", "600"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_pair() -> int:
-    """A port P such that P and P + 1 are both free on 127.0.0.1 (KV events PUB and replay)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
-
-
 class ServerProcess:
-    """`python -m kvmesh.engine.server` with the given flags, logging to a file.
-
-    It runs from a scratch directory: started from the repository root,
-    `python -m` would put the root on sys.path and the top-level `operator/`
-    folder would shadow the standard library's `operator` module.
-    """
+    """`python -m kvmesh.engine.server` with the given flags, logging to a file."""
 
     def __init__(self, *flags: str) -> None:
         self.port = free_port()
@@ -61,7 +35,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "kvmesh.engine.server", "--host", "127.0.0.1", "--port", str(self.port),
                *self.flags]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=self.dir, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         self.wait_ready()
         return self
 

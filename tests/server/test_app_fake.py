@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from kvmesh.engine.server.app import ServerApp
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
-from kvmesh.engine.server.metrics_util import parse_samples, render, sample_value
+from kvmesh.engine.util.metrics import parse_samples, render, sample_value
 
 from .fakes import FakeEngine, FakeTokenizer, expected_text
 

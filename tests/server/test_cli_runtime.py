@@ -12,7 +12,7 @@ import pytest
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.server import cli
 from kvmesh.engine.server.async_engine import AsyncEngine, SeqSubmission, ServerState, retry_after_seconds
-from kvmesh.engine.server.errors import APIError
+from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.server.runtime import ServeSettings, build_server
 
 from .fakes import FakeEngine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.engine.server import metrics_util as mu
+from kvmesh.engine.util import metrics as mu
 
 
 def test_names_must_carry_the_prefix_and_seconds():

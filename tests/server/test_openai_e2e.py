@@ -342,7 +342,7 @@ def _wait_idle_kv(server, idle_usage: float, timeout: float = 20.0) -> float:
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
-        from kvmesh.engine.server.metrics_util import sample_value
+        from kvmesh.engine.util.metrics import sample_value
 
         usage = sample_value(m, "kvmesh_kv_cache_usage_ratio")
         running = sample_value(m, "kvmesh_num_requests_running")
@@ -409,7 +409,7 @@ def test_metrics_exposition(server):
         "vllm:cache_config_info",
     ]:
         assert required in names, required
-    from kvmesh.engine.server.metrics_util import sample_value
+    from kvmesh.engine.util.metrics import sample_value
 
     assert sample_value(m, "kvmesh_prefix_cache_hits_total") > 0
     assert sample_value(m, "kvmesh_generation_tokens_total") > 0

@@ -6,9 +6,10 @@ import pytest
 from pydantic import ValidationError
 
 from kvmesh.engine.outputs import TokenLogprob
-from kvmesh.engine.server import errors, params, responses
-from kvmesh.engine.server.errors import APIError
-from kvmesh.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.engine.api import errors, params
+from kvmesh.engine.server import responses
+from kvmesh.engine.api.errors import APIError
+from kvmesh.engine.api.protocol import ChatCompletionRequest, CompletionRequest
 
 LIMITS = params.Limits(max_model_len=100, kv_capacity_tokens=1000)
 

@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 
 from kvmesh.engine.server.app import ServerApp
 from kvmesh.engine.server.async_engine import AsyncEngine
-from kvmesh.engine.server.errors import APIError
-from kvmesh.engine.server.params import check_text
+from kvmesh.engine.api.errors import APIError
+from kvmesh.engine.api.params import check_text
 
 from .fakes import FakeEngine
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh.engine.kv.block_hash import extra_key, hash_blocks
+from kvmesh.engine.block_hash import extra_key, hash_blocks
 from kvmesh.engine.transfer.buffers import KVBlock
 from kvmesh.engine.transfer.header import BlockHeader, BlockLayout, kv_layout
 

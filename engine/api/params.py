@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvmesh.engine.sampling import InvalidSamplingParams, SamplingParams
-from kvmesh.engine.server import errors
-from kvmesh.engine.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
+from kvmesh.engine.api import errors
+from kvmesh.engine.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 
 if TYPE_CHECKING:
     from kvmesh.engine.model.tokenizer import Tokenizer

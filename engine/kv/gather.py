@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..transfer.header import BlockLayout, kv_layout
+from kvmesh.engine.transfer.header import BlockLayout, kv_layout
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:

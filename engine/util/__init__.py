@@ -1,0 +1,1 @@
+"""Helpers every process uses: Prometheus metric helpers and command-line argument types."""
