@@ -25,18 +25,12 @@ from pathlib import Path
 
 import httpx
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvmesh.engine.util.localproc import free_port, wait_ready
 
 
 class Engine:
     def __init__(self, name: str, log_dir: Path, *flags: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / f"{name}.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvmesh", "serve", "--port", str(self.port),
@@ -44,17 +38,7 @@ class Engine:
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"engine not ready; see {self.log.name}")
+        wait_ready(self.url + "/ready", timeout, self.proc, Path(self.log.name), what="engine")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -23,12 +23,10 @@ import dataclasses
 import gc
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -38,23 +36,10 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.llm import LLM
 from kvmesh.engine.model.loader import load_model
 from kvmesh.engine.sampling import SamplingParams
+from kvmesh.engine.util.localproc import NotReady, ProcessExited, free_port_pair, wait_ready
 
 SUFFIX = 16
 TIER_SHARE: list[float] = []  # per tier-on run: share of wall time spent in the tier's own code
-
-
-def free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        try:
-            with socket.socket() as a:
-                a.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 def start_node(memory: str) -> tuple[subprocess.Popen, int]:
@@ -63,16 +48,12 @@ def start_node(memory: str) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([exe, "cache-node", "--memory", memory, "--host", "127.0.0.1", "--port", str(port),
                              "--ucx-port", str(port + 1), "--log-level", "warning"], cwd="/",
                             env=dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n"))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return proc, port
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("cache node did not become ready")
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/ready", 60, proc, what="cache node")
+    except (ProcessExited, NotReady):
+        proc.kill()
+        raise
+    return proc, port
 
 
 def tokens(n: int, seed: int, vocab: int) -> list[int]:

@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -30,14 +29,9 @@ from kvmesh.engine.block_hash import extra_key, hash_blocks
 from kvmesh.engine.transfer.buffers import KVBlock
 from kvmesh.engine.transfer.client import KVClient
 from kvmesh.engine.transfer.header import BlockHeader, kv_layout
+from kvmesh.engine.util.localproc import free_ports, wait_ready
 
 BLOCK_SIZE = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _socket_sender(port: int, nbytes: int, repeat: int) -> None:
@@ -86,7 +80,7 @@ def make_blocks(tokens: int) -> list[KVBlock]:
 
 
 def ucx_gbps(tls: str, blocks: list[KVBlock], repeat: int) -> dict[str, list[float]]:
-    http_port, ucx_port = _free_port(), _free_port()
+    http_port, ucx_port = free_ports(2)
     env = dict(os.environ, UCX_TLS=tls, UCX_WARN_UNUSED_ENV_VARS="n")
     kvmesh = str(Path(sys.executable).with_name("kvmesh"))
     nbytes = sum(b.nbytes for b in blocks)
@@ -95,12 +89,7 @@ def ucx_gbps(tls: str, blocks: list[KVBlock], repeat: int) -> dict[str, list[flo
                             env=env)
     os.environ["UCX_TLS"] = tls  # this process's ucxx context is created by the first client below
     try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/ready", timeout=1):
-                    break
-            except OSError:
-                time.sleep(0.1)
+        wait_ready(f"http://127.0.0.1:{http_port}/ready", 60, node, what="cache node")
         layout = blocks[0].header.layout
         hashes = [b.block_hash for b in blocks]
         res: dict[str, list[float]] = {"put": [], "get": []}

@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 
 from kvmesh.engine.util.metrics import parse_samples, sample_value
+from kvmesh.engine.util.localproc import NotReady, ProcessExited, free_port, wait_ready
 
 # Run as a script, bench/ is on sys.path.
 from batch_check import burst, offline_throughput  # noqa: E402
@@ -203,18 +204,12 @@ def launch_server(flags: list[str], port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvmesh.engine.server", "--host", "127.0.0.1", "--port", str(port), *flags]
     log = open(Path(tempfile.gettempdir()) / f"kvmesh-bench-serve-{port}.log", "wb")
     proc = subprocess.Popen(cmd, cwd=tempfile.gettempdir(), stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError("server did not become ready")
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/ready", 900, proc, Path(log.name), what="server")
+    except (ProcessExited, NotReady):
+        proc.kill()
+        raise
+    return proc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,11 +248,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     proc = None
     if args.launch:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         proc = launch_server(["--model", args.model, *args.serve_flags.split()], port)
         url = f"http://127.0.0.1:{port}"
     else:

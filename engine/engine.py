@@ -25,7 +25,7 @@ import torch
 from kvmesh.engine.config import ConfigError, EngineConfig
 from kvmesh.engine.disagg.decode_side import DecodeTransfers, Reservation
 from kvmesh.engine.disagg.errors import HandoffError
-from kvmesh.engine.kv.gather import gather_blocks
+from kvmesh.engine.kv.gather import gather_blocks, scatter_blocks
 from kvmesh.engine.disagg.prefill_side import HeldBlocks, KVHandoff
 from kvmesh.engine.block_hash import extra_key
 from kvmesh.engine.kv.events import KVEvent, KVEventLog
@@ -189,7 +189,7 @@ class LLMEngine:
             self.tiers, self._cache_node = build_tiers(cfg, self.kv, self.runner.kv_cache, self.events.publish)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, tiers=self.tiers)
-        self.transfers = DecodeTransfers(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout,
+        self.transfers = DecodeTransfers(self.kv, self.write_blocks, cfg.kv_transfer_timeout,
                                          cfg.kv_transfer_timeout, cfg.kv_transfer_reserve_tokens)
         self.held = HeldBlocks(self.kv)
         self.wake: Callable[[], None] | None = None
@@ -214,6 +214,15 @@ class LLMEngine:
         self._kv_evictions += len(blocks)
         if self.tiers is not None:
             self.tiers.on_evict(blocks)
+
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Write KV (``[n, layers, 2, block_size, heads, dim]``) into primary blocks outside the
+        forward pass: the one way to do so (the tiers' own loads run inside ``KVTiers.flush``).
+        Blocks evicted since the last step whose copy to the host tier is still queued are copied
+        first, so a block that left the pool is saved before anything can overwrite it."""
+        if self.tiers is not None:
+            self.tiers.save_evicted()
+        scatter_blocks(self.runner.kv_cache, block_ids, data)
 
     @property
     def waiting_on_transfers(self) -> bool:
@@ -391,11 +400,16 @@ class LLMEngine:
 
     @staticmethod
     def _run_call(fn: Callable[[], Any], fut: Future) -> None:
+        """Run one step-thread call; whatever it raises fails that call's future alone (the caller
+        answers its peer), never the step, so one bad message cannot stop the engine."""
         if not fut.set_running_or_notify_cancel():
             return
         try:
             result = fn()
         except HandoffError as e:
+            fut.set_exception(e)
+        except Exception as e:  # noqa: BLE001 - a bug or an unchecked input: that call fails, the engine runs on
+            log.warning("a KV transfer call failed on the step thread", exc_info=True)
             fut.set_exception(e)
         else:
             fut.set_result(result)

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmesh.engine.util.localproc import http_status, log_tail
+
 _LOG_TAIL_LINES = 30
 
 
@@ -166,10 +168,7 @@ class Child:
     ready: bool = False
 
     def tail(self, n: int = _LOG_TAIL_LINES) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, n)
 
 
 def _die_with_parent() -> None:
@@ -191,15 +190,6 @@ def _start(spec: ProcSpec, run_dir: Path) -> Child:
                             preexec_fn=_die_with_parent)
     log.close()
     return Child(spec, log_path, proc)
-
-
-def _is_ready(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(url + "/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def status_line(child: Child) -> str:
@@ -255,7 +245,7 @@ class Supervisor:
 
     def _wait_ready(self, child: Child) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
-        while not _is_ready(child.spec.url):
+        while http_status(child.spec.url + "/ready") != 200:
             self._check_alive()
             if self._stop_signal is not None:
                 return

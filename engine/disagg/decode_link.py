@@ -27,7 +27,8 @@ from ..transfer.errors import HeaderMismatch, TransferTimeout
 from ..transfer.header import BlockLayout, check_layout
 from ..transfer.loop_thread import shared_loop
 from ..transfer.server import KVServer
-from .errors import HandoffError, NoRoom, TooLarge, UnknownTransfer
+from .checks import Limits, check_push, check_reserve, check_transfer_id
+from .errors import BadField, HandoffError, NoRoom, TooLarge, UnknownTransfer
 from kvmesh.engine.kv.gather import block_shape, cache_layout
 
 log = logging.getLogger("kvmesh.disagg")
@@ -36,7 +37,7 @@ log = logging.getLogger("kvmesh.disagg")
 def _refusal(e: HandoffError) -> protocol.ErrorReply:
     kind = (protocol.ERR_NO_ROOM if isinstance(e, NoRoom) else protocol.ERR_TOO_LARGE if isinstance(e, TooLarge)
             else protocol.ERR_UNKNOWN_TRANSFER if isinstance(e, UnknownTransfer) else protocol.ERR_BAD_REQUEST)
-    return protocol.ErrorReply(kind, str(e))
+    return protocol.ErrorReply(kind, str(e), e.field if isinstance(e, BadField) else None)
 
 
 class DecodeHandler:
@@ -51,10 +52,23 @@ class DecodeHandler:
         self.block_shape = block_shape(engine.runner.kv_cache)
         self.dtype = engine.runner.kv_cache.dtype
         self.payload_timeout_s = payload_timeout_s
+        self.limits = Limits(engine.model_config.vocab_size, engine.max_model_len, engine.kv.num_total_blocks,
+                             str(engine.device))
         self.blocks_received = 0
         self.bytes_received = 0
 
     async def handle(self, msg: protocol.Message, ch: Channel) -> None:
+        try:
+            if isinstance(msg, protocol.Reserve):
+                check_reserve(msg, self.limits)
+            elif isinstance(msg, protocol.PushKV):
+                check_push(msg, self.limits)
+            elif isinstance(msg, protocol.Cancel):
+                check_transfer_id(msg.transfer_id)
+        except BadField as e:
+            # Refused before anything is reserved, written or read: the connection stays usable.
+            await ch.send(_refusal(e))
+            return
         if isinstance(msg, protocol.Reserve):
             await self._reserve(msg, ch)
         elif isinstance(msg, protocol.PushKV):

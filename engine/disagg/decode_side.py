@@ -22,7 +22,7 @@ transfer timeout, or no claim within the claim timeout after it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +32,6 @@ from ..kv.block_pool import KVIntegrityError
 from ..kv.kv_manager import KVCacheManager
 from ..transfer.protocol import FirstToken
 from .errors import NoRoom, TooLarge, TransferMismatch, UnknownTransfer
-from kvmesh.engine.kv.gather import scatter_blocks
 
 
 def transfer_key(transfer_id: str) -> str:
@@ -60,10 +59,12 @@ class Reservation:
 
 
 class DecodeTransfers:
-    def __init__(self, kv: KVCacheManager, kv_cache: torch.Tensor, transfer_timeout_s: float = 30.0,
-                 claim_timeout_s: float = 30.0, reserve_cap_tokens: int = 0) -> None:
+    def __init__(self, kv: KVCacheManager, write_blocks: Callable[[Sequence[int], torch.Tensor], None],
+                 transfer_timeout_s: float = 30.0, claim_timeout_s: float = 30.0, reserve_cap_tokens: int = 0) -> None:
+        """``write_blocks(ids, data)`` writes pushed KV into primary blocks (``LLMEngine.write_blocks``:
+        it saves evicted blocks the reservation displaced before their bytes are overwritten)."""
         self.kv = kv
-        self.kv_cache = kv_cache
+        self.write_blocks = write_blocks
         self.transfer_timeout_s = transfer_timeout_s
         self.claim_timeout_s = claim_timeout_s
         self.reserve_cap_tokens = reserve_cap_tokens
@@ -96,8 +97,12 @@ class DecodeTransfers:
             raise TooLarge(f"the request needs {need} KV blocks ({len(ids)} prompt tokens + {growth + 1} of "
                            f"max_tokens={max_tokens}); this decode engine has {self.kv.num_total_blocks} in all")
         key = transfer_key(transfer_id)
-        hits, num_hit = self.kv.get_computed_blocks(key, ids)
-        blocks = self.kv.allocate_slots(key, ids, total - num_hit, hits, num_hit)
+        try:
+            hits, num_hit = self.kv.get_computed_blocks(key, ids)
+            blocks = self.kv.allocate_slots(key, ids, total - num_hit, hits, num_hit)
+        except Exception:
+            self.kv.free(key)  # nothing of a failed reservation stays behind
+            raise
         if blocks is None:
             self.kv.free(key)
             raise NoRoom(f"{need - len(hits)} free KV blocks needed, {self.kv.num_free_blocks} free "
@@ -146,7 +151,7 @@ class DecodeTransfers:
             raise TransferMismatch(f"transfer {transfer_id!r}: fill at block {start}, expected {r.next_block}")
         key = transfer_key(transfer_id)
         if n:
-            scatter_blocks(self.kv_cache, self.kv.block_ids(key)[start:start + n], data)
+            self.write_blocks(self.kv.block_ids(key)[start:start + n], data)
         r.next_block = start + n
         if final:
             if first is None or r.next_block != self.prompt_blocks(r):

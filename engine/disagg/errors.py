@@ -21,3 +21,11 @@ class UnknownTransfer(HandoffError):
 
 class TransferMismatch(HandoffError):
     """What arrived does not belong to the reservation (other prompt, other hashes, out of order)."""
+
+
+class BadField(HandoffError):
+    """A message field the decode engine cannot accept (outside its vocabulary, context or sizes)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field

@@ -149,12 +149,19 @@ class KVTiers:
         elif isinstance(event, AllBlocksCleared):
             self.host.clear()
 
+    def save_evicted(self) -> None:
+        """Copy out the blocks the primary pool evicted since the last copy (queued by ``on_evict``).
+        Runs before anything writes primary blocks: the forward pass (``flush``) and every write
+        outside it (``LLMEngine.write_blocks``), since an evicted block is free to be reused."""
+        if self.host is not None:
+            self.host.flush_saves(self.kv_cache)
+
     def flush(self) -> None:
         """Apply pending saves, then every pending load (one scatter into the KV cache)."""
         srcs: list[torch.Tensor] = []
         ids: list[int] = []
+        self.save_evicted()
         if self.host is not None:
-            self.host.flush_saves(self.kv_cache)
             loaded = self.host.take_loads()
             if loaded is not None:
                 srcs.append(loaded[0])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from kvmesh.engine.transfer.errors import ConnectFailed, HeaderMismatch, PeerGon
 from kvmesh.engine.transfer.header import BlockHeader
 from kvmesh.engine.transfer.loop_thread import LoopThread
 
-from tests.support.ports import free_port_pair, free_ports
+from kvmesh.engine.util.localproc import ProcessExited, free_port_pair, free_ports, wait_ready
 from ..transfer.kvdata import blocks, layout
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,17 +47,11 @@ class NodeProc:
                "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      env=dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n"))
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"cache node exited: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                if self.http("/ready")[0] == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("cache node did not become ready in 60 s")
+        try:
+            wait_ready(f"http://127.0.0.1:{self.http_port}/ready", 60, self.proc, what="cache node")
+        except ProcessExited as e:
+            raise ProcessExited(f"{e}{self.proc.stderr.read().decode()[-2000:]}") from None
+        return self
 
     def http(self, path: str) -> tuple[int, bytes]:
         try:

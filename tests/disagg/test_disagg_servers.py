@@ -193,3 +193,91 @@ def test_a_draining_decode_engine_takes_no_new_transfers(prefill):
         assert r.status_code == 503 and r.json()["error"]["code"] == "decode_no_room"
     finally:
         d.stop()
+
+
+def _decode_layout(d: ServerProcess):
+    """The decode engine's wire layout, from its /kv/info and the default model's shape."""
+    from kvmesh.engine.model.loader import load_model
+    from kvmesh.engine.transfer.header import kv_layout
+
+    info = httpx.get(d.url("/kv/info"), timeout=10).json()
+    cfg = load_model("default").config
+    return info, kv_layout(bytes.fromhex(info["extra_key"]), info["dtype"], info["block_size"],
+                           cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+
+
+def test_malformed_transfer_messages_are_refused_and_the_engine_serves_on(decode):
+    """A Reserve whose prompt holds -1 (msgspec's list[int] takes it) once killed the decode
+    engine's step thread, failing every request on it; a final push whose first token lies outside
+    the vocabulary would have crashed the forward pass after the claim. Both are refused at the
+    door with the field named, on a connection that stays usable, and the engine serves on."""
+    from kvmesh.engine.block_hash import hash_blocks
+    from kvmesh.engine.transfer import protocol
+    from kvmesh.engine.transfer.client import AsyncKVClient
+    from kvmesh.engine.transfer.errors import RemoteError
+    from kvmesh.engine.transfer.loop_thread import shared_loop
+
+    info, layout = _decode_layout(decode)
+    loop = shared_loop()
+    client = AsyncKVClient("127.0.0.1", transfer_port(decode), timeout=30)
+    prompt = list(range(100, 140))  # 40 tokens: two full blocks and a partial one
+    try:
+        for bad_prompt, max_tokens, field in (([5, -1, 7], 4, "prompt_token_ids"),
+                                              ([5, 10**9, 7], 4, "prompt_token_ids"),
+                                              ([], 4, "prompt_token_ids"),
+                                              ([5, 6], 0, "max_tokens"),
+                                              ([5, 6], 10**9, "max_tokens")):
+            reply = loop.call(client.reserve("bad", layout, bad_prompt, max_tokens), 60)
+            assert isinstance(reply, protocol.ErrorReply), reply
+            assert reply.kind == protocol.ERR_BAD_REQUEST and reply.field == field, reply
+        r = loop.call(client.reserve("good", layout, prompt, 4), 60)
+        assert isinstance(r, protocol.Reserved), r
+        bs = info["block_size"]
+        hashes = [*hash_blocks(prompt, bs, bytes.fromhex(info["extra_key"])), None][r.hit_blocks:]
+        payloads = [bytes(layout.nbytes) for _ in hashes]
+        for first, field in ((protocol.FirstToken(-1), "first.token_id"),
+                             (protocol.FirstToken(10**9), "first.token_id"),
+                             (protocol.FirstToken(5, generator_state=b"\0" * 16), "first.generator_state")):
+            push = protocol.PushKV("good", r.hit_blocks, hashes, True, first)
+            try:
+                loop.call(client.push(push, payloads), 60)
+            except RemoteError as e:
+                assert field in str(e), e
+            else:
+                raise AssertionError(f"a push with a bad {field} was accepted")
+        loop.call(client.cancel("good"), 60)
+    finally:
+        loop.call(client.aclose(), 30)
+    assert httpx.get(decode.url("/ready"), timeout=10).status_code == 200
+    r = httpx.post(decode.url("/v1/chat/completions"), json=_body(max_tokens=4), timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    wait_metric(decode, "kvmesh_kv_transfers_reserved", 0)
+
+
+def test_handoffs_into_a_decode_engine_with_a_host_tier_keep_its_cache_exact(prefill):
+    """Issue seen end to end: with a tiny primary pool and a host tier, handoffs landing on an idle
+    decode engine evicted cached blocks whose host copy was still queued and then overwrote them
+    with the pushed KV; the same chats sent straight to the decode engine afterwards reloaded the
+    wrong bytes (6 of 8 exact). Reference: the prefill engine answering each chat by itself."""
+    d = ServerProcess("--role", "decode", "--num-threads", "1", "--num-kv-blocks", "12",
+                      "--cpu-kv-bytes", "256MiB").start()
+    try:
+        # Long enough that the 12-block pool evicts each chat before the next, and free of greedy
+        # near-ties between a fully computed and a prefix-cached prompt (fp32 sums differ in order).
+        chats = [_body(f"Numbers: {', '.join(str(i * 7 + k) for k in range(24))}. Write one short sentence "
+                       f"about the number {i * 7 + 3}.", max_tokens=8) for i in range(8)]
+        want = []
+        for body in chats:
+            r = httpx.post(prefill.url("/v1/chat/completions"), json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            want.append(r.json()["choices"][0]["message"]["content"])
+        for i, body in enumerate(chats):
+            assert stage1(prefill, d, f"tier-{i}", body).status_code == 200
+            r = stage2(d, f"tier-{i}", body)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want[i], i
+        got = [httpx.post(d.url("/v1/chat/completions"), json=body, timeout=120).json()["choices"][0]["message"]
+               ["content"] for body in chats]
+        assert d.metric("kvmesh_kv_tier_promotions_total", tier="cpu") > 0  # the tier was read back
+        assert got == want
+    finally:
+        d.stop()

@@ -17,7 +17,7 @@ from kvmesh.engine.disagg.prefill_side import DECODE
 from kvmesh.engine.sampling import SamplingParams
 
 from .handoff import handoff_once, prefill
-from ..engine.test_host_tier import BS, MAX_NEW, PROMPTS, hf_greedy, loaded, model_dir, tiny_engine  # noqa: F401
+from ..engine.test_host_tier import BS, MAX_NEW, OTHER, PROMPTS, hf_greedy, loaded, model_dir, tiny_engine  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -194,3 +194,39 @@ def test_reservations_cover_max_tokens_up_to_the_cap(model_dir, loaded, referenc
     assert toks == reference[0]
     d.check_integrity()
     assert not d.kv.requests
+
+
+def test_a_step_thread_call_that_raises_fails_alone(model_dir, loaded, reference):  # noqa: F811
+    """A reservation that raises something other than a refusal (here a token id the block hash
+    cannot encode, as an unchecked message would bring) once escaped the step and stopped the
+    engine; now it fails its own future, leaves nothing reserved, and the next handoff is exact."""
+    p = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    fut = d.reserve_transfer("bad", [5, -1, *PROMPTS[0][:40]], 4)
+    d.idle_tick()
+    assert isinstance(fut.exception(0), ValueError)
+    assert not d.kv.requests and len(d.transfers) == 0
+    d.check_integrity()
+    _, _, toks = handoff_once(p, d, 0, PROMPTS[0], _greedy())
+    assert toks == reference[0]
+
+
+def test_a_reservation_that_evicts_saves_the_old_bytes_before_the_push_lands(model_dir, loaded):  # noqa: F811
+    """An idle decode engine with a host tier: the reservation (an idle tick) evicts cached blocks,
+    whose copy to the host tier is queued; the pushed KV is then written (another idle tick) into
+    those same blocks. The copy must take the old bytes: a later plain request that reloads the
+    evicted prefix from the host tier is compared with transformers."""
+    other = OTHER[0]
+    ref_other, ref_prompt = hf_greedy(model_dir, [other, PROMPTS[0]])
+    p = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    llm = tiny_engine(model_dir, loaded, num_kv_blocks=16, cpu_kv_bytes=1 << 20)
+    d = llm.engine
+    assert llm.generate([other], _greedy())[0].token_ids == ref_other  # 12 blocks cached, then free
+    _, _, toks = handoff_once(p, d, 0, PROMPTS[0], _greedy())  # reserving 14 of 16 evicts most of them
+    assert toks == ref_prompt
+    stored = d.tiers.host.stats.stored
+    assert stored > 0, "the reservation evicted nothing into the host tier: the test lost its point"
+    again = llm.generate([other], _greedy())[0]
+    assert d.tiers.host.stats.promotions > 0  # the evicted prefix came back from the host tier
+    assert again.token_ids == ref_other
+    d.check_integrity()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from typing import Any, Callable
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
+
+from kvmesh.engine.util.localproc import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "serving.kvmesh.io", "v1alpha1", "inferencedeployments"
@@ -58,12 +59,6 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float = 60, every: 
                 return last
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

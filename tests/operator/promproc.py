@@ -10,14 +10,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import yaml
 
-from tests.server.serverproc import free_port
+from kvmesh.engine.util.localproc import free_port, wait_ready
 
 
 class PrometheusUnavailable(RuntimeError):
@@ -67,17 +66,8 @@ class PrometheusProcess:
             [binary, f"--config.file={cfg}", f"--storage.tsdb.path={self.dir / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h"],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=self.dir)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/-/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"prometheus not ready after {timeout_s}s:\n{self.log_tail()}")
+        wait_ready(self.url + "/-/ready", timeout_s, self.proc, self.dir / "prometheus.log", what="prometheus")
+        return self
 
     def log_tail(self, n: int = 30) -> str:
         try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,15 +19,10 @@ from typing import Any
 import uvicorn
 
 from kvmesh.engine.block_hash import extra_key
+from kvmesh.engine.util.localproc import free_port
 
 EXTRA = extra_key("fake-model", "bfloat16")
 BLOCK_SIZE = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

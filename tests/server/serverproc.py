@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
-from tests.support.ports import free_port, free_port_pair  # noqa: F401 - re-exported for the tests
-
+from kvmesh.engine.util.localproc import free_port, free_port_pair, log_tail, wait_ready  # noqa: F401
 from kvmesh.engine.util.metrics import parse_samples, sample_value
 
 READY_TIMEOUT_S = float(os.environ.get("KVMESH_TEST_READY_TIMEOUT", "600"))
@@ -40,23 +37,10 @@ class ServerProcess:
         return self
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return log_tail(self.log_path, n)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.base_url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
+        wait_ready(self.base_url + "/ready", timeout, self.proc, self.log_path, what="server")
 
     def url(self, path: str) -> str:
         return self.base_url + path

@@ -22,8 +22,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
 from kvmesh.engine.transfer import posted
@@ -32,7 +30,7 @@ from kvmesh.engine.transfer.errors import TransferError
 from kvmesh.engine.transfer.loop_thread import shared_loop
 from kvmesh.engine.transfer.ucx_env import apply_ucx_defaults
 
-from tests.support.ports import free_ports
+from kvmesh.engine.util.localproc import free_ports, wait_ready
 from tests.transfer.kvdata import blocks, layout
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
@@ -44,17 +42,8 @@ def start_node() -> tuple[subprocess.Popen, int]:
                              "--port", str(http_port), "--ucx-port", str(ucx_port), "--log-level", "error"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n"))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"cache node exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return proc, ucx_port
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit("cache node did not become ready in 60 s")
+    wait_ready(f"http://127.0.0.1:{http_port}/ready", 60, proc, what="cache node")
+    return proc, ucx_port
 
 
 def main() -> None:
