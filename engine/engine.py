@@ -330,9 +330,11 @@ class LLMEngine:
         return self._on_step_thread(
             lambda: self.transfers.reserve(transfer_id, ids, max_tokens, time.monotonic(), owner=owner))
 
-    def check_push(self, transfer_id: str, start: int, hashes: Sequence[bytes | None], final: bool) -> Future:
+    def check_push(self, transfer_id: str, start: int, hashes: Sequence[bytes | None], final: bool,
+                   owner: object = None) -> Future:
         hashes = list(hashes)
-        return self._on_step_thread(lambda: self.transfers.check_push(transfer_id, start, hashes, final))
+        return self._on_step_thread(
+            lambda: self.transfers.check_push(transfer_id, start, hashes, final, time.monotonic(), owner))
 
     def fill_transfer(self, transfer_id: str, start: int, data: torch.Tensor | None, final: bool,
                       first: FirstToken | None) -> Future:
@@ -344,7 +346,7 @@ class LLMEngine:
         self._on_step_thread(lambda: self.transfers.cancel(transfer_id))
 
     def drop_transfer_owner(self, owner: object) -> None:
-        """Decode role: the connection ``owner`` closed; free its incomplete reservations."""
+        """Decode role: the connection ``owner`` closed; free the incomplete reservations it last carried."""
         self._on_step_thread(lambda: self.transfers.drop_owner(owner))
 
     def release_handoff(self, request_id: str, consumer: str) -> None:

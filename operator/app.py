@@ -76,6 +76,7 @@ def production_autoscaler(reconciler: Reconciler, opts: OperatorOptions,
     return AutoscaleRunner(source, AutoscaleIO(
         ready_pods=pods,
         start_drain=lambda pod: engine_admin.start_drain(pod.endpoint),
+        cancel_drain=lambda pod: engine_admin.cancel_drain(pod.endpoint),
         in_flight=lambda pod: engine_admin.in_flight(pod.endpoint),
         mark_for_deletion=lambda ns, pod: kube.annotate_pod(ns, pod.name,
                                                             {DELETION_COST: str(LOWEST_COST)}),

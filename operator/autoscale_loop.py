@@ -33,6 +33,7 @@ class AutoscaleIO:
 
     ready_pods: Callable[[str, str, str], list[PodInfo]]  # (ns, name, pool)
     start_drain: Callable[[PodInfo], None]
+    cancel_drain: Callable[[PodInfo], None]
     in_flight: Callable[[PodInfo], int | None]
     mark_for_deletion: Callable[[str, PodInfo], None]  # (ns, pod)
     patch_status: Callable[[str, str, Mapping[str, Any]], None]  # merge patch of .status
@@ -66,6 +67,9 @@ class _PoolIO:
 
     def start_drain(self, pod: PodInfo) -> None:
         self.r.io.start_drain(pod)
+
+    def cancel_drain(self, pod: PodInfo) -> None:
+        self.r.io.cancel_drain(pod)
 
     def in_flight(self, pod: PodInfo) -> int | None:
         return self.r.io.in_flight(pod)
@@ -169,7 +173,9 @@ class AutoscaleRunner:
                 "lastDecisionTime": rfc3339(d.t),
                 "drainingPod": scaler.draining.pod.name if scaler and scaler.draining else None,
             }
-            if d.desired > d.current:  # a scale-down is recorded when its drain ends
+            if d.desired > d.current and (scaler is None or scaler.draining is None):
+                # A scale-up (step() just made it, cancelling any drain); a scale-down is
+                # recorded by the scaler when its drain ends.
                 entry["desiredReplicas"] = d.desired
             pools[pool] = entry
         met = [d.slo_met for d in decisions.values()]

@@ -1,4 +1,4 @@
-"""The operator's calls to an engine's drain endpoint (POST/GET /admin/drain)."""
+"""The operator's calls to an engine's drain endpoint (POST/GET/DELETE /admin/drain)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,17 @@ def start_drain(endpoint: str) -> None:
         raise DrainRequestError(f"POST {url}: {exc}") from exc
     if r.status_code not in (200, 202):
         raise DrainRequestError(f"POST {url}: HTTP {r.status_code}: {r.text[:200]}")
+
+
+def cancel_drain(endpoint: str) -> None:
+    """Make a draining engine serve again (the pool was scaled up while it drained)."""
+    url = f"http://{endpoint}/admin/drain"
+    try:
+        r = httpx.delete(url, timeout=TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        raise DrainRequestError(f"DELETE {url}: {exc}") from exc
+    if r.status_code != 200:
+        raise DrainRequestError(f"DELETE {url}: HTTP {r.status_code}: {r.text[:200]}")
 
 
 def in_flight(endpoint: str) -> int | None:

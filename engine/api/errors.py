@@ -53,6 +53,12 @@ def context_length_exceeded(message: str, param: str = "messages") -> APIError:
     return APIError(message, 400, "invalid_request_error", "context_length_exceeded", param)
 
 
+def request_too_large(max_bytes: int, got: int | None = None) -> APIError:
+    size = f"{got} bytes" if got is not None else f"over {max_bytes} bytes"
+    return APIError(f"the request body is {size}; this server takes at most {max_bytes} bytes "
+                    "(--max-request-bytes)", 413, "invalid_request_error", "request_too_large")
+
+
 def model_not_found(model: str, served: list[str]) -> APIError:
     return APIError(
         f"The model '{model}' does not exist on this server; it serves: {', '.join(served)}",

@@ -7,8 +7,9 @@ tick), so this module only frames messages and moves bytes.
 Failure semantics: a refused reservation is answered at once (``no_room``, ``too_large``,
 ``header_mismatch``) and the connection stays usable; a push whose hashes or position do not fit
 the reservation is answered ``bad_request`` before any payload is read; a connection that drops
-frees every incomplete reservation it made (the prefill side is gone); payloads that do not all
-arrive within ``payload_timeout_s`` drop the connection, which frees the reservation the same way.
+frees the incomplete reservations whose last message it carried (the prefill side is gone, or
+that transfer failed); payloads that do not all arrive within ``payload_timeout_s`` drop the
+connection, which frees the reservation the same way.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ class DecodeHandler:
 
     async def _push(self, msg: protocol.PushKV, ch: Channel) -> None:
         try:
-            await asyncio.wrap_future(self.engine.check_push(msg.transfer_id, msg.start, msg.hashes, msg.final))
+            await asyncio.wrap_future(self.engine.check_push(msg.transfer_id, msg.start, msg.hashes, msg.final,
+                                                             owner=ch))
         except HandoffError as e:
             await ch.send(_refusal(e))
             return

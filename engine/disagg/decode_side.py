@@ -48,8 +48,9 @@ class Reservation:
     num_blocks: int
     deadline: float
     owner: object = None
-    """The connection that reserved it; when that connection drops before the final push, the
-    prefill side is gone and the reservation is freed at once."""
+    """The connection that carried the transfer's last accepted message (reserve or push); when
+    that connection drops before the final push, the reservation is freed at once. A connection
+    that drops frees no transfer whose later messages went over another one."""
     next_block: int = 0
     first: FirstToken | None = None
 
@@ -123,8 +124,12 @@ class DecodeTransfers:
         chain = self.kv.extend_chain(transfer_key(transfer_id), r.prompt_token_ids, min(full, start + count))
         return [chain[i] if i < full else None for i in range(start, start + count)]
 
-    def check_push(self, transfer_id: str, start: int, hashes: Sequence[BlockHash | None], final: bool) -> Reservation:
-        """Raise unless a push of ``hashes`` at ``start`` is the next part of ``transfer_id``."""
+    def check_push(self, transfer_id: str, start: int, hashes: Sequence[BlockHash | None], final: bool,
+                   now: float | None = None, owner: object = None) -> Reservation:
+        """Raise unless a push of ``hashes`` at ``start`` is the next part of ``transfer_id``. An
+        accepted push moves the transfer to ``owner`` (the connection carrying it) and gives it
+        another ``transfer_timeout_s`` from ``now``: a long prefill streaming its blocks keeps its
+        reservation as long as parts keep arriving."""
         r = self._get(transfer_id)
         if r.complete:
             raise TransferMismatch(f"transfer {transfer_id!r} is already complete")
@@ -140,6 +145,10 @@ class DecodeTransfers:
             if w != h:
                 raise TransferMismatch(f"transfer {transfer_id!r}: block {start + i} hash differs from this "
                                        "engine's chain of the same prompt (another model, dtype or tokenizer?)")
+        if now is not None:
+            r.deadline = max(r.deadline, now + self.transfer_timeout_s)
+        if owner is not None:
+            r.owner = owner
         return r
 
     def fill(self, transfer_id: str, start: int, data: torch.Tensor | None, final: bool,
@@ -153,6 +162,7 @@ class DecodeTransfers:
         if n:
             self.write_blocks(self.kv.block_ids(key)[start:start + n], data)
         r.next_block = start + n
+        r.deadline = max(r.deadline, now + self.transfer_timeout_s)
         if final:
             if first is None or r.next_block != self.prompt_blocks(r):
                 raise TransferMismatch(f"transfer {transfer_id!r}: final push without the first token or blocks")
@@ -181,7 +191,7 @@ class DecodeTransfers:
         return r is not None
 
     def drop_owner(self, owner: object) -> list[str]:
-        """Free the incomplete reservations ``owner`` made (its connection closed)."""
+        """Free the incomplete reservations ``owner`` last carried (its connection closed)."""
         gone = [t for t, r in self._res.items() if r.owner is owner and not r.complete]
         for t in gone:
             self.cancel(t)

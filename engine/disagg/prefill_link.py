@@ -7,7 +7,7 @@ loop nor the engine step ever runs transport code.
 Failure semantics (what the server maps to HTTP, docs/disagg.md): ``Refused`` carries the decode
 engine's answer to a reservation (``no_room``, ``too_large``, ``header_mismatch``); every other
 failure is a ``TransferError`` (no connection, peer gone, timeout, a push the decode side
-refused). A client whose peer failed is dropped, so the next request reconnects.
+refused). A failed request drops its own connection only; a refusal (``RemoteError``) drops none.
 """
 
 from __future__ import annotations
@@ -64,15 +64,10 @@ class DecodeLinks:
         return await asyncio.wrap_future(self.loop.submit(coro))
 
     async def _guarded(self, host: str, port: int, coro_fn: Any) -> Any:
-        client = self._client(host, port)
-        try:
-            return await coro_fn(client)
-        except TransferError:
-            # The peer may be gone or restarted: never reuse its connections.
-            if self._clients.get((host, port)) is client:
-                del self._clients[(host, port)]
-            await client.aclose()
-            raise
+        # A failure drops only the connection it happened on (the client does that); the others
+        # carry other handoffs to a decode engine that may be healthy, and a peer that restarted
+        # is found by the client's retry on a fresh connection.
+        return await coro_fn(self._client(host, port))
 
     async def reserve(self, host: str, port: int, transfer_id: str, prompt_token_ids: list[int],
                       max_tokens: int) -> protocol.Reserved:

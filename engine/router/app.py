@@ -31,6 +31,7 @@ from kvmesh.engine.router.policies import LoadModel, Policy, RouteRequest, build
 from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, PromptInfo, analyze, matched_tokens
 from kvmesh.engine.router.proxy import all_engines_down
 from kvmesh.engine.router.sessions import SessionTable, session_key
+from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvmesh.engine.api import errors
 from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.util.metrics import render
@@ -61,6 +62,7 @@ class RouterSettings:
     resolve_interval_s: float = 5.0
     health_interval_s: float = 2.0
     sync_timeout_s: float = 60.0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     @property
     def disaggregated(self) -> bool:
@@ -97,6 +99,7 @@ class RouterApp:
         self.metrics = RouterMetrics(settings.policy, lambda: self.fleet.num_healthy() if self.fleet else 0,
                                      self._index_sizes)
         self.two_stage: TwoStageRouter | None = None
+        self._bounded = BodyLimit(self._serve_http, settings.max_request_bytes)
         if settings.disaggregated:
             pd = PDMetrics(self.metrics.registry,
                            lambda: self.prefill_fleet.num_healthy() if self.prefill_fleet else 0,
@@ -173,8 +176,10 @@ class RouterApp:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
-        if scope["type"] != "http":
-            return
+        if scope["type"] == "http":
+            await self._bounded(scope, receive, send)
+
+    async def _serve_http(self, scope: dict[str, Any], receive: Callable[[], Any], send: proxy.Send) -> None:
         path, method = scope["path"], scope["method"]
         try:
             if path in (COMPLETIONS, CHAT):

@@ -11,6 +11,9 @@ import argparse
 import logging
 import sys
 
+from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from kvmesh.engine.util.cliargs import add_max_request_bytes
+
 POLICIES = ("cache-aware", "session", "least-load", "round-robin")  # == policies.POLICIES (tested)
 
 
@@ -72,6 +75,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     s.add_argument("--port", type=int, default=8000)
+    add_max_request_bytes(s, DEFAULT_MAX_REQUEST_BYTES)
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
@@ -152,7 +156,7 @@ def settings_from_args(args: argparse.Namespace):  # -> RouterSettings
         pd_max_queued=args.pd_max_queued, session_idle_s=args.session_idle_s,
         load=LoadModel(args.running_cost_tokens, args.max_running_per_engine), max_attempts=args.max_attempts,
         resolve_interval_s=args.resolve_interval_s, health_interval_s=args.health_interval_s,
-        sync_timeout_s=args.sync_timeout_s)
+        sync_timeout_s=args.sync_timeout_s, max_request_bytes=args.max_request_bytes)
 
 
 def handler(args: argparse.Namespace) -> int:

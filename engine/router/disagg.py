@@ -69,14 +69,16 @@ KV_TRANSFER_PARAMS = "kv_transfer_params"
 TRANSFER_NOT_FOUND = "transfer_not_found"
 DECODE_NO_ROOM = "decode_no_room"
 DECODE_FAILED_CODES = frozenset({"decode_unreachable", "decode_failed"})
+DECODE_REFUSED_CODE = "decode_refused"
 
 # Stage-1 outcomes (also the values of kvmesh_router_pd_stage1_total{outcome}).
 OK = "ok"
 NO_ROOM = "decode_no_room"
 DECODE_FAILED = "decode_failed"
+DECODE_REFUSED = "decode_refused"  # the decode engine answered (up and serving) but dropped this transfer
 PREFILL_FAILED = "prefill_failed"
 RELAY = "relayed"
-STAGE1_OUTCOMES = (OK, NO_ROOM, DECODE_FAILED, PREFILL_FAILED, RELAY)
+STAGE1_OUTCOMES = (OK, NO_ROOM, DECODE_FAILED, DECODE_REFUSED, PREFILL_FAILED, RELAY)
 
 # Why a request is served plain by a decode engine (kvmesh_router_pd_fallback_total{reason}).
 FALLBACK_REASONS = ("no_prefill", "prefill_failed", "n_gt_1", "multi_prompt", "unparsed", "decode_not_receiving")
@@ -224,6 +226,8 @@ def classify_stage1(status: int, body: bytes, transfer_id: str,
         return Stage1Answer(NO_ROOM, "the decode engine has no room for this request", status, body, headers)
     if status == 502 and code in DECODE_FAILED_CODES:
         return Stage1Answer(DECODE_FAILED, f"transfer failed ({code})", status, body, headers)
+    if status == 502 and code == DECODE_REFUSED_CODE:
+        return Stage1Answer(DECODE_REFUSED, "the decode engine refused this transfer", status, body, headers)
     if status == 429 or status >= 500:
         return Stage1Answer(PREFILL_FAILED, f"prefill engine answered HTTP {status}" + (f" ({code})" if code else ""),
                             status, body, headers, engine_down=status == 503)
@@ -398,8 +402,9 @@ class TwoStageRouter:
         elif ans.kind == NO_ROOM:
             self.metrics.refusals.labels(decode_url).inc()
             st.refused.add(decode_url)
-        elif ans.kind == DECODE_FAILED:
-            app.fleet.mark_failed(decode_url, f"{ans.detail}, reported by {prefill_url}")
+        elif ans.kind in (DECODE_FAILED, DECODE_REFUSED):
+            if ans.kind == DECODE_FAILED:  # a refusal comes from a healthy engine: only this request avoids it
+                app.fleet.mark_failed(decode_url, f"{ans.detail}, reported by {prefill_url}")
             st.decode_excluded.add(decode_url)
             st.decode_failures += 1
             st.tried.append(f"decode {decode_url}: {ans.detail}")

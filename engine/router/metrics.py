@@ -88,7 +88,7 @@ class PDMetrics:
                                 "kv_transfer answer (its queue, the prefill and the KV transfer to the decode "
                                 "engine).", REQUEST_LATENCY_BUCKETS)
         self.stage1_answers = counter(r, "kvmesh_router_pd_stage1_total",
-                                      "Stage-1 answers by outcome: ok, decode_no_room, decode_failed, prefill_failed "
+                                      "Stage-1 answers by outcome: ok, decode_no_room, decode_failed, decode_refused, prefill_failed "
                                       "(connection error, 5xx or 429 from the prefill engine), relayed (4xx).",
                                       ("outcome",))
         self.refusals = counter(r, "kvmesh_router_pd_decode_refusals_total",

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvmesh.engine.kv.event_publisher import KVEventPublisher
 from kvmesh.engine.api import errors
+from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
 from kvmesh.engine.server.disagg import DisaggServing
 from kvmesh.engine.server.drain import Drainer
@@ -40,11 +41,12 @@ class ServerApp:
     def __init__(self, aengine: AsyncEngine, served_model_names: list[str] | None = None,
                  kv_publisher: KVEventPublisher | None = None, drain_timeout_s: float = 30.0,
                  role: str = "both", kv_transfer_port: int = 0, kv_transfer_timeout_s: float = 30.0,
-                 kv_transfer_overlap: bool = True) -> None:
+                 kv_transfer_overlap: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         """`kv_publisher`, when given, streams the engine's KV events from load to shutdown;
         `drain_timeout_s` bounds a drain (SIGTERM or POST /admin/drain) before leftovers are aborted;
         `role` prefill/decode adds the KV handoff (docs/disagg.md), decode listening for KV on
-        `kv_transfer_port` (0: any free port, reported by /kv/info)."""
+        `kv_transfer_port` (0: any free port, reported by /kv/info); a request body over
+        `max_request_bytes` gets 413 before it is read (``app`` is the bounded ASGI app)."""
         self.aengine = aengine
         self.drainer = Drainer(aengine, drain_timeout_s)
         self.kv_publisher = kv_publisher
@@ -59,7 +61,7 @@ class ServerApp:
         self.disagg = DisaggServing(role, aengine, self.serving, transfer_port=kv_transfer_port,
                                     transfer_timeout_s=kv_transfer_timeout_s, overlap=kv_transfer_overlap,
                                     observe=self.metrics.observe_handoff)
-        self.app = self._build()
+        self.app = BodyLimit(self._build(), max_request_bytes, on_refused=lambda e: self.metrics.count_error(e.code))
 
     def served_names(self) -> list[str]:
         """--served-model-name values if given; else the model's own name first, then the
@@ -159,6 +161,14 @@ class ServerApp:
 
         @app.get("/admin/drain")
         async def drain_status() -> JSONResponse:
+            return JSONResponse(self.drainer.status())
+
+        @app.delete("/admin/drain")
+        async def cancel_drain() -> JSONResponse:
+            # The operator scaled the pool up while this pod drained: it serves again.
+            if not self.drainer.cancel():
+                raise APIError("this server is shutting down (SIGTERM); its drain cannot be cancelled", 409,
+                               "invalid_request_error", "shutting_down")
             return JSONResponse(self.drainer.status())
 
         @app.get("/metrics")

@@ -174,6 +174,11 @@ class AsyncEngine:
         if self.state in (ServerState.READY, ServerState.LOADING):
             self.state = ServerState.DRAINING
 
+    def end_drain(self) -> None:
+        """Take requests again after a cancelled drain (ready, or loading if the model is not yet)."""
+        if self.state is ServerState.DRAINING:
+            self.state = ServerState.READY if self.engine is not None and self.loaded.is_set() else ServerState.LOADING
+
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no API request is in flight; False on timeout."""
         try:

@@ -10,7 +10,8 @@ import argparse
 import logging
 import sys
 
-from kvmesh.engine.util.cliargs import ArgsError, config_model_path, parse_size, port_or_zero
+from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from kvmesh.engine.util.cliargs import ArgsError, add_max_request_bytes, config_model_path, parse_size, port_or_zero
 
 ROLES = ("both", "prefill", "decode")
 
@@ -89,6 +90,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="sequences that may wait for their first token before new requests get 429 "
                         "(0: unbounded; default: %(default)s)")
+    add_max_request_bytes(s, DEFAULT_MAX_REQUEST_BYTES)
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may run before they are aborted")
     s.add_argument("--cache-service", default=None, metavar="HOST:PORT",
@@ -175,6 +177,7 @@ def settings_from_args(args: argparse.Namespace):  # -> ServeSettings (imported 
     return ServeSettings(
         engine=engine, host=args.host, port=args.port, served_model_names=served_names,
         max_waiting_requests=args.max_waiting_requests, drain_timeout_s=args.drain_timeout,
+        max_request_bytes=args.max_request_bytes,
         log_level=args.log_level, access_log=args.access_log,
         kv_events_port=args.kv_events_port, kv_events_host=args.kv_events_host or args.host,
         role=args.role, kv_transfer_port=args.kv_transfer_port, kv_transfer_overlap=args.kv_transfer_overlap,

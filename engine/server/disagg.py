@@ -105,6 +105,15 @@ class DisaggServing:
                        400, "wrong_role")
         return await self._decode(prep, kvp, request, arrival)
 
+    def _push_failed(self, host: str, port: int, e: BaseException) -> APIError:
+        """A push that failed: ``decode_refused`` when the decode engine answered (it is up and
+        serving: e.g. the reservation expired), ``decode_failed`` when the link itself failed."""
+        from kvmesh.engine.transfer.errors import RemoteError
+
+        code = "decode_refused" if isinstance(e, RemoteError) else "decode_failed"
+        self._failed(code)
+        return _err(f"KV transfer to decode engine {host}:{port} failed: {e}", 502, code)
+
     def _failed(self, code: str) -> None:
         self._observe(code, 0, None)
 
@@ -186,16 +195,14 @@ class DisaggServing:
         if handoff is None:
             failed = next((t.exception() for t in parts if t.done() and not t.cancelled() and t.exception()), None)
             if failed is not None:
-                self._failed("decode_failed")
-                raise _err(f"KV transfer to decode engine {host}:{port} failed: {failed}", 502, "decode_failed")
+                raise self._push_failed(host, port, failed)
             raise _err("the request was aborted before its prefill finished", 499, "aborted")
         t2 = time.perf_counter()
         try:
             final = await push_after(parts[-1] if parts else None, handoff, True)
             pushed = [p.result() for p in parts] + [final]
         except TransferError as e:
-            self._failed("decode_failed")
-            raise _err(f"KV transfer to decode engine {host}:{port} failed: {e}", 502, "decode_failed") from None
+            raise self._push_failed(host, port, e) from None
         finally:
             engine.release_handoff(handoff.request_id, DECODE)
         t3 = time.perf_counter()

@@ -8,7 +8,9 @@ SIGTERM the runtime shuts uvicorn down once the drain is over; after an admin
 drain the pod keeps answering /metrics and /admin/drain until the operator
 removes it (whose SIGTERM then finds nothing left to wait for).
 
-Invariant: at most one drain per server; asking again joins the running one.
+Invariant: at most one drain per server; asking again joins the running one. An admin drain
+can be cancelled (DELETE /admin/drain: the operator scaled the pool up again), which makes the
+server ready again; a shutdown's drain (SIGTERM) cannot.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Drainer:
     started_at: float | None = None  # Unix time
     finished_at: float | None = None
     aborted: int = 0  # requests still in flight at the timeout
+    final: bool = False  # a shutdown waits for this drain: it cannot be cancelled
     _task: asyncio.Task | None = field(default=None, repr=False)
 
     @property
@@ -45,8 +48,10 @@ class Drainer:
     def done(self) -> bool:
         return self._task is not None and self._task.done()
 
-    def start(self, why: str) -> asyncio.Task:
-        """Begin draining (call on the event loop); returns the drain's task, the same on every call."""
+    def start(self, why: str, final: bool = False) -> asyncio.Task:
+        """Begin draining (call on the event loop); returns the drain's task, the same on every
+        call. ``final``: the process shuts down after it (SIGTERM), so nothing may cancel it."""
+        self.final = self.final or final
         if self._task is None:
             self.reason = why
             self.started_at = time.time()
@@ -65,6 +70,20 @@ class Drainer:
             await ae.wait_idle(self.abort_grace_s)
         self.finished_at = time.time()
         log.info("drained (%s)", why)
+
+    def cancel(self) -> bool:
+        """Stop an admin drain and take requests again; False when it is a shutdown's (``final``).
+        Requests aborted at a passed timeout stay aborted; nothing else is lost."""
+        if self.final:
+            return False
+        if self._task is not None:
+            self._task.cancel()
+            log.info("drain cancelled (%s): taking requests again", self.reason)
+        self._task = None
+        self.reason = self.started_at = self.finished_at = None
+        self.aborted = 0
+        self.aengine.end_drain()
+        return True
 
     def status(self) -> dict[str, Any]:
         """What GET /admin/drain answers; `in_flight` counts API requests still running."""

@@ -29,6 +29,7 @@ from typing import Any
 
 import uvicorn
 
+from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.kv.event_publisher import KVEventPublisher, KVEventsBindError
 from kvmesh.engine.server.app import ServerApp
@@ -49,6 +50,7 @@ class ServeSettings:
     port: int = 8000
     served_model_names: list[str] = field(default_factory=list)
     max_waiting_requests: int = 1024
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     drain_timeout_s: float = 30.0
     log_level: str = "info"
     access_log: bool = False
@@ -59,9 +61,9 @@ class ServeSettings:
     role: str = "both"
     """both: colocated; prefill/decode: one side of a KV handoff (docs/disagg.md)."""
     kv_transfer_port: int = 0
+    """Decode role: UCX port for incoming KV (0: any free port, reported by /kv/info)."""
     kv_transfer_overlap: bool = True
     """Prefill role: push prompt blocks while later chunks are computed (docs/disagg.md)."""
-    """Decode role: UCX port for incoming KV (0: any free port, reported by /kv/info)."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -106,7 +108,7 @@ class DrainingServer(uvicorn.Server):
 
     async def drain(self, why: str = "request") -> None:
         """Stop taking requests, let in-flight ones finish (bounded), then shut down."""
-        await self.drainer.start(why)
+        await self.drainer.start(why, final=True)
         self.should_exit = True
 
     async def startup(self, sockets: Any = None) -> None:
@@ -148,7 +150,8 @@ def build_server(settings: ServeSettings, engine_factory: Callable[[], Any] | No
                            drain_timeout_s=settings.drain_timeout_s, role=settings.role,
                            kv_transfer_port=settings.kv_transfer_port,
                            kv_transfer_timeout_s=settings.engine.kv_transfer_timeout,
-                           kv_transfer_overlap=settings.kv_transfer_overlap)
+                           kv_transfer_overlap=settings.kv_transfer_overlap,
+                           max_request_bytes=settings.max_request_bytes)
     app = server_app.app
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,

@@ -52,9 +52,15 @@ class ClientBusy(TransferError):
 
 
 def raise_error_reply(reply: protocol.ErrorReply) -> None:
+    """Raise the peer's complete error answer; ``answered`` marks it: the stream is where it should
+    be, so the connection stays usable (see ``_attempt``)."""
     if reply.kind == protocol.ERR_HEADER:
-        raise HeaderMismatch(reply.field or "?", reply.expected, reply.got, f"rejected by the peer: {reply.message}")
-    raise RemoteError(f"peer answered {reply.kind}: {reply.message}")
+        e: TransferError = HeaderMismatch(reply.field or "?", reply.expected, reply.got,
+                                          f"rejected by the peer: {reply.message}")
+    else:
+        e = RemoteError(f"peer answered {reply.kind}: {reply.message}", reply.kind)
+    e.answered = True  # type: ignore[attr-defined]
+    raise e
 
 
 class AsyncKVClient:
@@ -224,15 +230,24 @@ class AsyncKVClient:
             if fresh or ch.received != heard:
                 raise  # a new connection failed, or the peer died mid-answer: it really is gone
             raise _StalePooled(f"stale pooled connection to {self.peer}") from None
+        except TransferError as e:
+            if getattr(e, "answered", False):
+                self._release(ch)  # a refusal on a healthy connection: other requests keep using it
+            else:
+                self._drop(ch)
+            raise
         except BaseException:
             self._drop(ch)  # failed or timed out: the stream position is unknown
             raise
+        self._release(ch)
+        return result
+
+    def _release(self, ch: Channel) -> None:
         self._busy.discard(ch)
         if self._closed or ch.broken:
             ch.abort()
         else:
             self._idle.append(ch)
-        return result
 
     def _handshake_done(self, attempt: asyncio.Task) -> None:
         if self._handshake is not attempt:

@@ -42,7 +42,12 @@ class ProtocolError(TransferError):
 
 
 class RemoteError(TransferError):
-    """The peer understood the request but answered with an error (its message is included)."""
+    """The peer understood the request but answered with an error (its message is included);
+    ``kind`` is the answer's kind (``protocol.ERR_*``)."""
+
+    def __init__(self, message: str, kind: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def _short(value: Any) -> str:

@@ -39,6 +39,13 @@ def parse_size(text: str) -> int:
     return n
 
 
+def add_max_request_bytes(group: argparse._ArgumentGroup, default: int) -> None:
+    """``--max-request-bytes``: the bound on one request body (the engine server and the router)."""
+    group.add_argument("--max-request-bytes", type=parse_size, default=default, metavar="SIZE",
+                       help="largest request body accepted; larger ones get 413 before they are read "
+                            f"(default: {default >> 20}MiB)")
+
+
 def port_or_zero(text: str, highest: int = 65535, what: str = "a port", zero: str = "any free port") -> int:
     """An argparse port in [0, highest]; the message says what 0 means for this flag."""
     try:

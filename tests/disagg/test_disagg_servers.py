@@ -281,3 +281,47 @@ def test_handoffs_into_a_decode_engine_with_a_host_tier_keep_its_cache_exact(pre
         assert got == want
     finally:
         d.stop()
+
+
+def test_a_refused_handoff_leaves_the_others_alone_and_long_prefills_keep_their_reservation(prefill):
+    """Two long prompts stream to one decode engine whose transfer timeout (2 s) is shorter than
+    their prefill (16 tokens a step, over 3 s each): each accepted push extends its reservation. One of them is
+    cancelled on the decode side mid-stream (as an expiry would): its next push is refused, the
+    prefill side answers 502 decode_refused, and the other handoff, on the same pooled link,
+    finishes and decodes. Before: the refusal closed every connection to that decode engine,
+    which then freed every reservation those connections had made."""
+    from kvmesh.engine.transfer.client import AsyncKVClient
+    from kvmesh.engine.transfer.loop_thread import shared_loop
+
+    p = ServerProcess("--role", "prefill", "--num-threads", "1", "--num-kv-blocks", "512",
+                      "--max-num-batched-tokens", "16").start()
+    d = ServerProcess("--role", "decode", "--num-threads", "1", "--num-kv-blocks", "320",
+                      "--kv-transfer-timeout", "2").start()
+    try:
+        bodies = {tid: _body(" ".join(f"{tid} w{i % 97} {i}." for i in range(250)), 8) for tid in ("a", "b")}
+        results: dict[str, object] = {}
+        threads = [threading.Thread(target=lambda t=t: results.__setitem__(t, _safe(
+            lambda: stage1(p, d, f"long-{t}", bodies[t], timeout=300)))) for t in bodies]
+        # b queues behind a (chunked prefill serves the first prompt first) and starts once a fails.
+        for n, t in enumerate(threads, start=1):
+            t.start()
+            wait_metric(d, "kvmesh_kv_transfers_reserved", n, timeout=60)
+        loop = shared_loop()
+        client = AsyncKVClient("127.0.0.1", transfer_port(d), timeout=30)
+        try:
+            loop.call(client.cancel("long-a"), 30)
+        finally:
+            loop.call(client.aclose(), 30)
+        for t in threads:
+            t.join(300)
+        a, b = results["a"], results["b"]
+        assert isinstance(a, httpx.Response) and a.status_code == 502, a
+        assert a.json()["error"]["code"] == "decode_refused", a.text
+        assert isinstance(b, httpx.Response) and b.status_code == 200, getattr(b, "text", b)
+        done = stage2(d, "long-b", bodies["b"])
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 8
+        assert p.metric("kvmesh_kv_handoffs_total", outcome="decode_refused") == 1
+        nothing_held(p, d)
+    finally:
+        p.stop()
+        d.stop()

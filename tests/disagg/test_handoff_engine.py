@@ -230,3 +230,26 @@ def test_a_reservation_that_evicts_saves_the_old_bytes_before_the_push_lands(mod
     assert d.tiers.host.stats.promotions > 0  # the evicted prefix came back from the host tier
     assert again.token_ids == ref_other
     d.check_integrity()
+
+
+def test_a_transfer_belongs_to_the_connection_of_its_last_message_and_pushes_extend_it(model_dir, loaded):  # noqa: F811
+    """Two regressions of one failed handoff spreading to others: a reservation was owned by the
+    connection that made it, so a pooled connection dropped for another transfer freed it; and
+    its deadline ran from the reservation, so a prefill longer than the transfer timeout lost it
+    mid-stream though its parts kept arriving."""
+    from kvmesh.engine.block_hash import hash_blocks
+
+    d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    tr = d.transfers
+    prompt = PROMPTS[0]
+    hashes = hash_blocks(prompt, BS, d.kv.extra)
+    conn_a, conn_b = object(), object()
+    r = tr.reserve("t", prompt, MAX_NEW, now=0.0, owner=conn_a)
+    assert r.deadline == tr.transfer_timeout_s
+    tr.check_push("t", 0, hashes[:2], False, now=25.0, owner=conn_b)  # the next part, on another connection
+    assert r.deadline == 25.0 + tr.transfer_timeout_s
+    assert tr.drop_owner(conn_a) == [] and len(tr) == 1  # conn_a dropped: not this transfer's carrier
+    assert tr.expire(now=tr.transfer_timeout_s + 1) == [] and len(tr) == 1  # still within the extension
+    assert tr.drop_owner(conn_b) == ["t"] and len(tr) == 0
+    assert not d.kv.requests
+    d.check_integrity()

@@ -37,6 +37,7 @@ class Fakes:
         return AutoscaleIO(
             ready_pods=lambda ns, name, pool: self.pods.get(pool, []),
             start_drain=lambda pod: self.drained.append(pod.name),
+            cancel_drain=lambda pod: self.drained.remove(pod.name),
             in_flight=lambda pod: self.in_flight_left,
             mark_for_deletion=lambda ns, pod: self.marked.append(pod.name),
             patch_status=self.patch_status,

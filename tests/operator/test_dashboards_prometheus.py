@@ -67,7 +67,7 @@ class OperatorLoop:
         pods = [PodInfo(f"{NAME}-decode-5d8c7-{i}", f"127.0.0.1:{e.port}", 0) for i, e in enumerate(engines)]
         self.metrics = OperatorMetrics()
         self.runner = AutoscaleRunner(PodScrapeSource(), AutoscaleIO(
-            ready_pods=lambda ns, name, pool: pods, start_drain=lambda pod: None,
+            ready_pods=lambda ns, name, pool: pods, start_drain=lambda pod: None, cancel_drain=lambda pod: None,
             in_flight=lambda pod: 0, mark_for_deletion=lambda ns, pod: None,
             patch_status=self._patch_status, apply_replicas=lambda ns, name: None,
             event=lambda obj, reason, message: None), metrics=self.metrics)

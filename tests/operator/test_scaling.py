@@ -21,6 +21,10 @@ class FakeCluster:
         self.drained.append(pod.name)
         self.calls.append(f"drain {pod.name}")
 
+    def cancel_drain(self, pod):
+        self.drained.remove(pod.name)
+        self.calls.append(f"undrain {pod.name}")
+
     def in_flight(self, pod):
         return self.in_flight_by_pod.get(pod.name)
 
@@ -86,3 +90,44 @@ def test_scale_up_is_immediate_and_hold_does_nothing():
     assert fake.replicas == 3 and fake.events[0][0] == "ScaledUp"
     assert s.step(decision(3, 3, "WithinTarget"), now=1) == "hold"
     assert fake.calls == ["replicas 3"]
+
+
+def test_a_scale_up_during_a_drain_cancels_it_and_nothing_undrained_is_removed():
+    """Seen before: 4 replicas, a drain starts (target 3), a spike writes 6, and the drain's end
+    wrote the 3 fixed at its start, removing three pods at once, two of them serving."""
+    fake = FakeCluster({"a": 2, "b": 1, "c": 3, "d": 4})
+    s = PoolScaler("decode", fake, grace_s=300)
+    assert s.step(decision(4, 3), now=0) == "drain-started"
+    assert s.step(decision(4, 6, reason="KVPressure"), now=5) == "drain-cancelled"
+    assert fake.calls == ["drain b", "undrain b", "replicas 6"] and fake.drained == [] and fake.marked == []
+    assert fake.events[-1][0] == "DrainCancelled" and "b serves again" in fake.events[-1][1]
+    assert s.draining is None
+    # Later scale-downs go one pod at a time from the replicas the pool has then.
+    fake.in_flight_by_pod.update({"e": 5, "f": 6})
+    assert s.step(decision(6, 3), now=60) == "drain-started"
+    fake.in_flight_by_pod["b"] = 0
+    assert s.step(decision(6, 3), now=70) == "drained"
+    assert fake.calls[-2:] == ["mark b", "replicas 5"]
+
+
+def test_a_drain_ends_one_below_the_replicas_the_pool_has_then():
+    fake = FakeCluster({"a": 1, "b": 2})
+    s = PoolScaler("decode", fake, grace_s=300)
+    assert s.step(decision(2, 1), now=0) == "drain-started"
+    assert s.step(decision(3, 3), now=5) == "draining"  # someone raised replicas by hand meanwhile
+    fake.in_flight_by_pod["a"] = 0
+    assert s.step(decision(3, 1), now=10) == "drained"
+    assert fake.calls[-1] == "replicas 2"  # one pod fewer than now, never the count fixed at the start
+
+
+def test_a_victim_that_cannot_be_undrained_does_not_stop_the_scale_up():
+    fake = FakeCluster({"a": 0, "b": 1})
+
+    def gone(pod):
+        raise RuntimeError("connection refused")
+
+    fake.cancel_drain = gone
+    s = PoolScaler("decode", fake, grace_s=300)
+    s.step(decision(2, 1), now=0)
+    assert s.step(decision(2, 4), now=1) == "drain-cancelled"
+    assert fake.replicas == 4 and "could not undrain a" in fake.events[-1][1]

@@ -28,13 +28,15 @@ def error(code: str, message: str = "scripted") -> dict[str, Any]:
 
 @dataclass
 class FakeDecode(FakeEngine):
-    """A decode engine: ``room``, ``reachable``, ``fail_transfer`` script what stage 1 meets;
+    """A decode engine: ``room``, ``reachable``, ``fail_transfer``, ``refuse_transfer`` script what
+    stage 1 meets;
     ``forget_transfers`` makes stage 2 answer 409 transfer_not_found."""
 
     transfer_port: int = 0
     room: bool = True
     reachable: bool = True
     fail_transfer: bool = False
+    refuse_transfer: bool = False
     forget_transfers: bool = False
     free_blocks: int = 1000
     transfers: set[str] = field(default_factory=set)
@@ -88,6 +90,8 @@ class FakePrefill(FakeEngine):
             return await json_response(send, 503, error("decode_no_room"))
         if dec.fail_transfer:
             return await json_response(send, 502, error("decode_failed"))
+        if dec.refuse_transfer:
+            return await json_response(send, 502, error("decode_refused"))
         dec.transfers.add(params["transfer_id"])
         await json_response(send, 200, {"object": "kv_transfer", "transfer_id": params["transfer_id"],
                                         "prompt_tokens": 10, "cached_tokens": 0, "decode_hit_blocks": 1,

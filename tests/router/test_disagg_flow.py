@@ -190,6 +190,18 @@ def test_a_decode_engine_the_transfer_failed_on_is_taken_out(pd, failure):
     assert bad.requests == []
 
 
+def test_a_decode_engine_that_refuses_a_transfer_is_avoided_for_that_request_only(pd):
+    """A prefill engine's 502 decode_refused means the decode engine answered (it is up): the
+    request moves to another decode engine, and the refusing one stays in the fleet."""
+    picky, good = FakeDecode("picky", refuse_transfer=True), FakeDecode("good")
+    c = pd([FakePrefill("p0")], [picky, good])
+    for _ in range(4):
+        assert answered_by(completion(c.url), False) == "good"
+    assert c.metric("kvmesh_router_pd_stage1_total", outcome="decode_refused") >= 1
+    assert c.metric("kvmesh_router_pd_stage1_total", outcome="decode_failed") == 0
+    assert c.app.fleet.engines[picky.url].healthy
+
+
 @pytest.mark.parametrize("failure", ["503", "429", "die_before_first"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_failed_prefill_engine_is_replaced_by_another(pd, failure, stream):

@@ -10,6 +10,7 @@ from kvmesh.engine.router import cli as router_cli
 from kvmesh.engine.router.disagg import (
     BACKOFF_MAX_S,
     DECODE_FAILED,
+    DECODE_REFUSED,
     NO_ROOM,
     OK,
     PREFILL_FAILED,
@@ -118,6 +119,7 @@ def test_classify_stage1_follows_the_contracts_table():
     assert classify_stage1(503, _err("decode_no_room"), "T").kind == NO_ROOM
     for code in ("decode_unreachable", "decode_failed"):
         assert classify_stage1(502, _err(code), "T").kind == DECODE_FAILED
+    assert classify_stage1(502, _err("decode_refused"), "T").kind == DECODE_REFUSED
     for status, body in ((503, _err("draining")), (429, _err("too_many")), (500, b"oops"), (502, b"")):
         a = classify_stage1(status, body, "T")
         assert a.kind == PREFILL_FAILED and a.engine_down == (status == 503)

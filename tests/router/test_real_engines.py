@@ -7,6 +7,7 @@ process with the real tokenizer, subscribers, index and policy. Nothing is faked
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ SYSTEM = ("You are a meticulous assistant for a company that builds routers for 
 
 
 class RouterProcess(ServerProcess):
-    """`python -m kvmesh router ...` from a scratch directory (see ServerProcess for why)."""
+    """`python -m kvmesh router ...`, logging to a file."""
 
     def start(self) -> RouterProcess:
         cmd = [sys.executable, "-m", "kvmesh", "router", "--host", "127.0.0.1", "--port", str(self.port),
@@ -149,3 +150,27 @@ def test_a_draining_engine_finishes_its_stream_and_the_router_stops_sending_to_i
     assert after[other.base_url] == before[other.base_url] + 4
     status = httpx.get(draining.url("/admin/drain"), timeout=10).json()
     assert status["in_flight"] == 0, status
+
+
+def test_oversized_bodies_get_413_from_the_router_and_the_engines_and_nothing_breaks(fleet):
+    """Both processes cap request bodies (--max-request-bytes, 4 MiB by default) with a 413 in
+    OpenAI's format, whether the size is announced or the body streams in chunks; the router
+    forwards nothing, and both serve the next request."""
+    engines, router = fleet
+    big = {"model": "default", "prompt": "x" * (5 << 20), "max_tokens": 1}
+    raw = json.dumps(big).encode()
+
+    def chunked():
+        for i in range(0, len(raw), 1 << 16):
+            yield raw[i:i + (1 << 16)]
+
+    before = routed_to(router, engines)
+    for proc in (router, engines[0]):
+        for content in (raw, chunked()):
+            r = httpx.post(proc.url("/v1/completions"), content=content, timeout=60,
+                           headers={"content-type": "application/json"})
+            assert r.status_code == 413, (proc.base_url, r.status_code, r.text[:200])
+            assert r.json()["error"]["code"] == "request_too_large"
+    assert routed_to(router, engines) == before
+    assert engines[0].metric("kvmesh_request_errors_total", code="request_too_large") == 2
+    assert chat(router, "You are brief.", "Say hi.")["usage"]["completion_tokens"] == 4

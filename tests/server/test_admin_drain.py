@@ -71,3 +71,32 @@ def test_sigterm_during_an_admin_drain_joins_it():
         await server.aengine.shutdown()
 
     asyncio.run(main())
+
+
+def test_an_admin_drain_can_be_cancelled_and_the_server_serves_again():
+    """The operator scaled the pool up while this pod drained (DELETE /admin/drain)."""
+    engine = FakeEngine(step_delay_s=0.0)
+    server = ServerApp(AsyncEngine(lambda: engine), drain_timeout_s=60)
+    with TestClient(server.app) as c:
+        _wait(lambda: c.get("/ready").status_code == 200)
+        assert c.post("/admin/drain").status_code == 202
+        assert c.get("/ready").status_code == 503
+        r = c.delete("/admin/drain")
+        assert r.status_code == 200 and r.json()["draining"] is False and r.json()["state"] == "ready"
+        assert c.get("/ready").status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+        assert c.post("/admin/drain").status_code == 202  # and it can be drained again later
+        _wait(lambda: c.get("/admin/drain").json()["done"])
+
+
+def test_a_shutdowns_drain_cannot_be_cancelled():
+    async def main() -> None:
+        server = build_server(ServeSettings(drain_timeout_s=5), engine_factory=FakeEngine)
+        app = server.config.app.state.server
+        server.aengine.start()
+        await server.aengine.loaded.wait()
+        await server.drain("SIGTERM")
+        assert app.drainer.cancel() is False and server.aengine.state is ServerState.DRAINING
+        await server.aengine.shutdown()
+
+    asyncio.run(main())

@@ -111,7 +111,9 @@ def test_mismatched_layout_rejected_on_get_and_put(node):
         with pytest.raises(HeaderMismatch) as e:
             c.put([clash]).result(10)
         assert e.value.field == "head_dim"
-        # The connection survived the rejections.
+        # The connection survived the rejections: a peer's refusal leaves the stream where it should
+        # be, so the client keeps the connection for other requests instead of dropping it.
+        assert c.open_connections == 1
         assert c.lookup([b.block_hash for b in blks]).result(10) == 2
     assert node.store.stats.rejected_headers == 2
     node.store.check_integrity()

@@ -1,0 +1,61 @@
+"""The tier-and-handoff torture workload (tests/engine/torture.py): a fast variant here, a long
+one behind the slow marker. Real: both engines, their pools, host tiers and handoff state, a
+`kvmesh cache-node` process, and transformers as the reference."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from ..cachenode.test_node_process import NodeProc
+from .tiny_models import make_tiny_hf_model
+from .torture import Reference, Workload, engines, run
+
+pytestmark = pytest.mark.timeout(1200)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_hf_model("llama", tmp_path_factory.mktemp("torture"))
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    from kvmesh.engine.model.loader import load_model
+
+    return load_model(str(model_dir), torch.float32)
+
+
+@pytest.fixture
+def node():
+    n = NodeProc(memory="64MiB", events=False).start()
+    yield n
+    n.stop(signal.SIGKILL)
+
+
+def _check(model_dir, loaded, node, w: Workload):
+    p, d = engines(model_dir, loaded, node.http_port)
+    try:
+        rep = run(p, d, Reference(model_dir, w.max_new), w)
+    finally:
+        for e in (p, d):
+            e.close()
+    print(rep, f"cycles per block {rep.cycles_per_block:.2f}")
+    assert rep.mismatches == [], rep.mismatches[:5]
+    assert rep.requests == w.requests
+    # The workload did what it is for: blocks came back from both tiers, handoffs and aborts ran.
+    assert rep.host_loads > 0 and rep.node_loads > 0 and rep.node_saves > 0
+    assert rep.handoffs > 0 and rep.aborted > 0
+    return rep
+
+
+def test_torture_fast(model_dir, loaded, node):
+    _check(model_dir, loaded, node, Workload(requests=300, seed=1))
+
+
+@pytest.mark.slow
+def test_torture_long(model_dir, loaded, node):
+    rep = _check(model_dir, loaded, node, Workload(requests=10000, seed=2))
+    assert rep.cycles_per_block > 1
