@@ -44,6 +44,7 @@ from collections.abc import Sequence
 BlockHash = bytes
 """A 32-byte SHA-256 digest naming one full block together with its whole prefix."""
 
+HASH_FUNCTION = "sha256"  # what /kv/info reports; a router or engine hashing otherwise names other blocks
 HASH_LEN = 32
 ROOT_HASH: BlockHash = hashlib.sha256(b"kvmesh-root-v1").digest()
 EXTRA_MAGIC = b"kvmesh-extra-v1"

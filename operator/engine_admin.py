@@ -11,25 +11,23 @@ class DrainRequestError(RuntimeError):
     """An engine refused or did not answer a drain request; the message names it."""
 
 
-def start_drain(endpoint: str) -> None:
+def _admin_drain(method: str, endpoint: str) -> None:
     url = f"http://{endpoint}/admin/drain"
     try:
-        r = httpx.post(url, timeout=TIMEOUT_S)
+        r = httpx.request(method, url, timeout=TIMEOUT_S)
     except httpx.HTTPError as exc:
-        raise DrainRequestError(f"POST {url}: {exc}") from exc
+        raise DrainRequestError(f"{method} {url}: {exc}") from exc
     if r.status_code not in (200, 202):
-        raise DrainRequestError(f"POST {url}: HTTP {r.status_code}: {r.text[:200]}")
+        raise DrainRequestError(f"{method} {url}: HTTP {r.status_code}: {r.text[:200]}")
+
+
+def start_drain(endpoint: str) -> None:
+    _admin_drain("POST", endpoint)
 
 
 def cancel_drain(endpoint: str) -> None:
     """Make a draining engine serve again (the pool was scaled up while it drained)."""
-    url = f"http://{endpoint}/admin/drain"
-    try:
-        r = httpx.delete(url, timeout=TIMEOUT_S)
-    except httpx.HTTPError as exc:
-        raise DrainRequestError(f"DELETE {url}: {exc}") from exc
-    if r.status_code != 200:
-        raise DrainRequestError(f"DELETE {url}: HTTP {r.status_code}: {r.text[:200]}")
+    _admin_drain("DELETE", endpoint)
 
 
 def in_flight(endpoint: str) -> int | None:

@@ -97,7 +97,7 @@ class RouterApp:
         self.session: aiohttp.ClientSession | None = None
         self._turn = itertools.count()
         self.metrics = RouterMetrics(settings.policy, lambda: self.fleet.num_healthy() if self.fleet else 0,
-                                     self._index_sizes)
+                                     self._index_sizes, self._mismatches)
         self.two_stage: TwoStageRouter | None = None
         self._bounded = BodyLimit(self._serve_http, settings.max_request_bytes)
         if settings.disaggregated:
@@ -128,6 +128,12 @@ class RouterApp:
         out: dict[str, Any] = {}
         for f in self._fleets():
             out.update(f.index.size())
+        return out
+
+    def _mismatches(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for f in self._fleets():
+            out.update(f.mismatches())
         return out
 
     def ready(self) -> bool:

@@ -8,8 +8,13 @@ probe succeeds again. For a healthy engine the fleet reads ``/kv/info`` once and
 event subscriber that keeps the shared ``PrefixIndex`` in step with the engine's cache.
 
 Invariants: the index holds entries only for engines in the fleet (a removed engine's
-subscriber is stopped and its entries are freed); ``ready()`` is true only once every healthy
-engine that publishes KV events has had its first snapshot applied.
+subscriber is stopped and its entries are freed; a probe that finds its engine removed while it
+awaited changes nothing); an engine's entries come from the engine process now at its address:
+when it turns healthy again, or its ``/ready`` reports another ``engine_id`` (a restart at the
+same address), its entries are dropped and reloaded from a fresh snapshot; ``ready()`` is true
+only once every healthy engine that publishes KV events has had its first snapshot applied; an
+engine whose hash chain differs from the router's (hash function, root, or a block size or extra
+key other than the pool's) is never prefix-matched, and ``mismatches()`` names the field.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 import aiohttp
 
+from kvmesh.engine.block_hash import HASH_FUNCTION, ROOT_HASH
 from kvmesh.engine.kv.events import KVEventRecord, KVSnapshot
 from kvmesh.engine.router.index import PrefixIndex, PrefixMatch
 from kvmesh.engine.router.policies import Endpoint
@@ -109,6 +115,15 @@ def engine_report_from_metrics(text: str) -> EngineReport:
     return EngineReport(int(load) if seen_load else None, free)
 
 
+def chain_mismatch(info: dict[str, Any]) -> str | None:
+    """The first ``/kv/info`` field whose hash chain differs from the router's own (None: same)."""
+    if info.get("hash_function", HASH_FUNCTION) != HASH_FUNCTION:
+        return "hash_function"
+    if info.get("root_hash", ROOT_HASH.hex()) != ROOT_HASH.hex():
+        return "root_hash"
+    return None
+
+
 def engine_load_from_metrics(text: str) -> int | None:
     """Running + waiting sequences from an engine's ``/metrics`` text (None if absent)."""
     return engine_report_from_metrics(text).load
@@ -130,6 +145,7 @@ class EngineState:
     info: dict[str, Any] | None = None
     subscriber: Any = None
     task: asyncio.Task | None = None
+    warned_mismatch: str | None = None
 
     @property
     def block_size(self) -> int | None:
@@ -201,13 +217,31 @@ class Fleet:
         """
         if not info.token_ids:
             return {}, 16
-        spec = common_hash_spec([(e.block_size, e.extra) for e in self.engines.values()])
+        spec = self._hash_spec()
         if spec is None:
             return {}, 16
         block_size, extra = spec
         hashes = info.hashes(block_size, extra)
         return {url: self.index.match(url, hashes) for url, st in self.engines.items()
-                if st.block_size == block_size and st.extra == extra}, block_size
+                if st.block_size == block_size and st.extra == extra and not chain_mismatch(st.info or {})}, block_size
+
+    def _hash_spec(self) -> tuple[int, bytes] | None:
+        return common_hash_spec([(e.block_size, e.extra) for e in self.engines.values()
+                                 if not chain_mismatch(e.info or {})])
+
+    def mismatches(self) -> dict[str, str]:
+        """Engine URL -> the field that keeps it out of prefix matching (engines with KV info only)."""
+        spec = self._hash_spec()
+        out = {}
+        for url, st in self.engines.items():
+            if not st.info or st.block_size is None:
+                continue
+            name = chain_mismatch(st.info)
+            if name is None and spec is not None:
+                name = "block_size" if st.block_size != spec[0] else "extra_key" if st.extra != spec[1] else None
+            if name is not None:
+                out[url] = name
+        return out
 
     def num_healthy(self) -> int:
         return sum(1 for e in self.engines.values() if e.healthy)
@@ -294,6 +328,18 @@ class Fleet:
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(s) for s in list(self.engines.values())))
+        for url, name in self.mismatches().items():
+            st = self.engines[url]
+            if st.warned_mismatch != name:
+                st.warned_mismatch = name
+                log.warning("engine %s hashes KV blocks with another %s than the router and the pool "
+                            "(/kv/info: %s): routed by load only, never by prefix", url, name,
+                            (st.info or {}).get(name))
+
+    def _current(self, state: EngineState) -> bool:
+        """Whether ``state`` is still this fleet's engine at its URL (checked after every await:
+        an engine removed, or removed and re-added, meanwhile must not be written to)."""
+        return self.engines.get(state.url) is state
 
     async def probe(self, state: EngineState) -> None:
         timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
@@ -301,24 +347,51 @@ class Fleet:
             async with self.session.get(state.url + "/ready", timeout=timeout) as r:
                 body = await r.json(content_type=None) if r.status in (200, 503) else {}
                 ok = r.status == 200
-            state.draining = isinstance(body, dict) and body.get("state") == "draining"
+            if not self._current(state):
+                return
+            body = body if isinstance(body, dict) else {}
+            state.draining = body.get("state") == "draining"
+            engine_id = body.get("engine_id")
+            if ok and state.info is not None and (not state.healthy or (
+                    engine_id and state.info.get("engine_id") not in (None, engine_id))):
+                # Back after a failure, or another process at the same address: what the index
+                # holds for it may be stale. Reload from a fresh snapshot.
+                log.info("engine %s %s: resyncing its KV state", state.url,
+                         "restarted" if engine_id != state.info.get("engine_id") else "is back")
+                await self._resync(state)
+                if not self._current(state):
+                    return
             if ok and state.info is None:
                 await self._load_info(state, timeout)
+                if not self._current(state):
+                    await self._stop_subscriber(state)
+                    return
             if ok:
                 async with self.session.get(state.url + "/metrics", timeout=timeout) as r:
-                    if r.status == 200:
-                        report = engine_report_from_metrics(await r.text())
-                        if report.load is not None:
-                            state.reported_load = report.load
-                        if report.free_blocks is not None:
-                            state.free_blocks = report.free_blocks
+                    text = await r.text() if r.status == 200 else None
+                if not self._current(state):
+                    return
+                if text is not None:
+                    report = engine_report_from_metrics(text)
+                    if report.load is not None:
+                        state.reported_load = report.load
+                    if report.free_blocks is not None:
+                        state.free_blocks = report.free_blocks
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             ok = False
             if state.healthy:
                 log.warning("engine %s failed its probe: %s", state.url, e or type(e).__name__)
+        if not self._current(state):
+            return
         if ok and not state.healthy:
             log.info("engine %s is healthy", state.url)
         state.healthy = ok
+
+    async def _resync(self, state: EngineState) -> None:
+        await self._stop_subscriber(state)
+        if self._current(state):
+            self.index.remove_engine(state.url)
+            state.info = None
 
     async def _load_info(self, state: EngineState, timeout: aiohttp.ClientTimeout) -> None:
         async with self.session.get(state.url + "/kv/info", timeout=timeout) as r:
@@ -326,8 +399,11 @@ class Fleet:
                 state.info = {}  # an engine without KV info: routed by load only
                 return
             r.raise_for_status()
-            state.info = await r.json()
-        if self.track_kv and state.info.get("kv_events"):
+            info = await r.json()
+        if not self._current(state):
+            return
+        state.info = info
+        if self.track_kv and info.get("kv_events") and not chain_mismatch(info):
             self._start_subscriber(state)
 
     def _start_subscriber(self, state: EngineState) -> None:

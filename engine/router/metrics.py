@@ -34,7 +34,8 @@ CACHED_TOKENS_ERROR_BUCKETS: tuple[float, ...] = tuple(
 
 class RouterMetrics:
     def __init__(self, policy: str, engines_healthy: Callable[[], int],
-                 index_size: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+                 index_size: Callable[[], Mapping[str, Mapping[str, int]]],
+                 mismatches: Callable[[], Mapping[str, str]] = dict) -> None:
         self.policy = policy
         r = self.registry = new_registry()
         self.requests = counter(r, "kvmesh_router_requests_total",
@@ -55,6 +56,7 @@ class RouterMetrics:
             "(0: the router knew the engine's cache exactly).", buckets=CACHED_TOKENS_ERROR_BUCKETS, registry=r)
         self._engines_healthy = engines_healthy
         self._index_size = index_size
+        self._mismatches = mismatches
         r.register(CallbackCollector(self._collect))
 
     def _collect(self) -> Iterable[Metric]:
@@ -66,6 +68,13 @@ class RouterMetrics:
             for tier, n in tiers.items():
                 fam.add_metric([engine, tier], n)
         yield fam
+        bad = GaugeMetricFamily("kvmesh_router_engine_kv_mismatch",
+                                "1 for an engine whose KV hash chain differs from the router's and the pool's "
+                                "(field: hash_function, root_hash, block_size or extra_key): it is never "
+                                "prefix-matched.", labels=["engine", "field"])
+        for engine, name in self._mismatches().items():
+            bad.add_metric([engine, name], 1)
+        yield bad
 
     def count(self, engine: str, outcome: str) -> None:
         self.requests.labels(self.policy, engine, outcome).inc()

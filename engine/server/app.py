@@ -149,7 +149,11 @@ class ServerApp:
 
         @app.get("/ready")
         async def ready() -> JSONResponse:
-            return JSONResponse({"ready": aengine.ready, "state": aengine.state.value},
+            # engine_id changes when the engine restarts: a router that sees a new one resyncs
+            # its view of this engine's cache (kvmesh.engine.router.discovery).
+            engine = aengine.engine if aengine.loaded.is_set() else None
+            return JSONResponse({"ready": aengine.ready, "state": aengine.state.value,
+                                 "engine_id": getattr(engine, "engine_id", None)},
                                 status_code=200 if aengine.ready else 503)
 
         @app.post("/admin/drain")

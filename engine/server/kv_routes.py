@@ -12,13 +12,11 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from kvmesh.engine.block_hash import ROOT_HASH
+from kvmesh.engine.block_hash import HASH_FUNCTION, ROOT_HASH
 from kvmesh.engine.kv.event_publisher import KVEventPublisher
 from kvmesh.engine.kv.event_wire import snapshot_to_json, topic_for
 from kvmesh.engine.api import errors
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
-
-HASH_FUNCTION = "sha256"
 
 
 def kv_events_info(publisher: KVEventPublisher | None, engine_id: str) -> dict[str, Any] | None:

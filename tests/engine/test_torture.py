@@ -7,25 +7,11 @@ from __future__ import annotations
 import signal
 
 import pytest
-import torch
-
 from ..cachenode.test_node_process import NodeProc
-from .tiny_models import make_tiny_hf_model
+from .test_host_tier import loaded, model_dir  # noqa: F401 - the same tiny random Llama
 from .torture import Reference, Workload, engines, run
 
 pytestmark = pytest.mark.timeout(1200)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_hf_model("llama", tmp_path_factory.mktemp("torture"))
-
-
-@pytest.fixture(scope="module")
-def loaded(model_dir):
-    from kvmesh.engine.model.loader import load_model
-
-    return load_model(str(model_dir), torch.float32)
 
 
 @pytest.fixture
@@ -35,7 +21,7 @@ def node():
     n.stop(signal.SIGKILL)
 
 
-def _check(model_dir, loaded, node, w: Workload):
+def _check(model_dir, loaded, node, w: Workload):  # noqa: F811
     p, d = engines(model_dir, loaded, node.http_port)
     try:
         rep = run(p, d, Reference(model_dir, w.max_new), w)
@@ -51,11 +37,11 @@ def _check(model_dir, loaded, node, w: Workload):
     return rep
 
 
-def test_torture_fast(model_dir, loaded, node):
+def test_torture_fast(model_dir, loaded, node):  # noqa: F811
     _check(model_dir, loaded, node, Workload(requests=300, seed=1))
 
 
 @pytest.mark.slow
-def test_torture_long(model_dir, loaded, node):
+def test_torture_long(model_dir, loaded, node):  # noqa: F811
     rep = _check(model_dir, loaded, node, Workload(requests=10000, seed=2))
     assert rep.cycles_per_block > 1

@@ -79,6 +79,8 @@ def test_routes_answer_503_until_loaded_then_describe_the_cache():
             "kv_events": {"port": port, "replay_port": port + 1, "topic": "kv-events/engine-fake"},
             "tiers": ["gpu"], "role": "both", "transfer_port": None,
         }
+        # /ready names the same engine: a router that sees another id there resyncs (router/discovery.py).
+        assert client.get("/ready").json()["engine_id"] == info["engine_id"]
         # The readable parts rebuild the exact bytes the engine hashes.
         assert extra_key(info["model"], info["dtype"], info["lora"], info["cache_salt"]).hex() == info["extra_key"]
         assert publisher.log is engine.events  # started on load

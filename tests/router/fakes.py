@@ -43,6 +43,9 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
     url: str = ""
     kv_events: dict[str, Any] | None = None  # what /kv/info reports (None: publishes no events)
+    engine_id: str = ""  # what /ready and /kv/info report ("": the name); a new one is a restart
+    hash_function: str = "sha256"
+    kv_info_delay_s: float = 0.0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -50,11 +53,12 @@ class FakeEngine:
         path = scope["path"]
         if path == "/ready":
             ok = self.behavior.ready
-            return await json_response(send, 200 if ok else 503,
-                                       {"ready": ok, "state": "ready" if ok else "loading"})
+            return await json_response(send, 200 if ok else 503, {"ready": ok, "state": "ready" if ok else "loading",
+                                                                  "engine_id": self.engine_id or self.name})
         if path == "/metrics":
             return await _text(send, 200, self.metrics_text())
         if path == "/kv/info":
+            await asyncio.sleep(self.kv_info_delay_s)
             return await json_response(send, 200, self.kv_info())
         if path.startswith("/v1/models"):
             return await json_response(send, 200, {"object": "list",
@@ -73,7 +77,7 @@ class FakeEngine:
         return "kvmesh_num_requests_running 0\nkvmesh_num_requests_waiting 0\n"
 
     def kv_info(self) -> dict[str, Any]:
-        return {"engine_id": self.name, "block_size": BLOCK_SIZE, "hash_function": "sha256",
+        return {"engine_id": self.engine_id or self.name, "block_size": BLOCK_SIZE, "hash_function": self.hash_function,
                 "extra_key": EXTRA.hex(), "kv_events": self.kv_events}
 
     async def handle(self, req: dict[str, Any], receive: Any, send: Any) -> None:
