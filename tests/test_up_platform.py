@@ -22,7 +22,7 @@ import pytest
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.sampling import SamplingParams
 
-from .server.serverproc import free_port
+from kvmesh.engine.util.localproc import free_port, free_port_run
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +33,9 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def platform():
     run_dir = Path(tempfile.mkdtemp(prefix="kvmesh-up-test-"))
-    port, base, kv = free_port(), free_port(), free_port()
-    while kv + 3 >= 65536 or abs(kv - base) < 4:  # engines use base, base+1; kv .. kv+3
-        kv = free_port()
+    port, base, kv = free_port(), free_port_run(2), free_port_run(4)
+    while len({*range(base, base + 2), *range(kv, kv + 4), port}) < 7:  # engines base, base+1; kv .. kv+3
+        base, kv = free_port_run(2), free_port_run(4)
     cmd = [sys.executable, "-m", "kvmesh", "up", "--engines", "2", "--port", str(port),
            "--engine-base-port", str(base), "--kv-events-base-port", str(kv), "--status-interval", "0",
            "--serve-arg=--dtype=float32", "--log-dir", str(run_dir)]

@@ -40,21 +40,32 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def free_port_run(n: int, host: str = "127.0.0.1") -> int:
+    """A port P such that P .. P + n - 1 are all free (for a process, or `kvmesh up`, that takes
+    consecutive ports from a base)."""
+    for _ in range(200):
+        socks = [socket.socket()]
+        try:
+            socks[0].bind((host, 0))
+            port = socks[0].getsockname()[1]
+            if port + n - 1 > 65535:
+                continue
+            for k in range(1, n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, port + k))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports on {host}")
+
+
 def free_port_pair(host: str = "127.0.0.1") -> int:
     """A port P such that P and P + 1 are both free (an HTTP port and the UCX or replay port)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind((host, 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind((host, port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError(f"no two consecutive free ports on {host}")
+    return free_port_run(2, host)
 
 
 def http_status(url: str, timeout_s: float = 2.0) -> int | None:

@@ -21,7 +21,7 @@ import pytest
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.util.metrics import parse_samples, sample_value
-from tests.server.serverproc import free_port
+from kvmesh.engine.util.localproc import free_port, free_port_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -30,8 +30,10 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
 
 def test_up_runs_prefill_and_decode_behind_the_router():
     run_dir = Path(tempfile.mkdtemp(prefix="kvmesh-up-pd-"))
-    port, base = free_port(), free_port()
-    kv, xfer = free_port(), free_port()
+    # `up` takes consecutive ports from each base (engines base, base+1; KV events kv .. kv+3).
+    port, base, kv, xfer = free_port(), free_port_run(2), free_port_run(4), free_port()
+    while len({*range(base, base + 2), *range(kv, kv + 4), port, xfer}) < 8:
+        base, kv = free_port_run(2), free_port_run(4)
     cmd = [sys.executable, "-m", "kvmesh", "up", "--prefill", "1", "--decode", "1", "--port", str(port),
            "--engine-base-port", str(base), "--kv-events-base-port", str(kv), "--kv-transfer-base-port", str(xfer),
            "--status-interval", "0", "--serve-arg=--dtype=float32", "--log-dir", str(run_dir)]
