@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
 import torch
 
 from kvmesh.engine.block_hash import HASH_LEN
@@ -68,18 +69,20 @@ def check_reserve(msg: Reserve, lim: Limits) -> None:
                                      f"prompt (context {lim.max_model_len}), got {msg.max_tokens}")
 
 
+def _check_logprob(field: str, lp: float) -> None:
+    if math.isnan(lp) or lp > 0:  # -inf is a log-probability (of 0)
+        raise BadField(field, f"must be a log-probability (<= 0), got {lp}")
+
+
 def check_first_token(first: FirstToken, lim: Limits) -> None:
     _check_token("first.token_id", first.token_id, lim)
-    if first.logprob is not None and not (math.isfinite(first.logprob) or first.logprob == -math.inf):
-        raise BadField("first.logprob", f"must be a log-probability, got {first.logprob}")
-    if first.logprob is not None and first.logprob > 0:
-        raise BadField("first.logprob", f"must be <= 0, got {first.logprob}")
+    if first.logprob is not None:
+        _check_logprob("first.logprob", first.logprob)
     if len(first.top_logprobs) > lim.max_top_logprobs:
         raise BadField("first.top_logprobs", f"at most {lim.max_top_logprobs} entries, got {len(first.top_logprobs)}")
     for tok, lp in first.top_logprobs:
         _check_token("first.top_logprobs", tok, lim)
-        if math.isnan(lp) or lp > 0:
-            raise BadField("first.top_logprobs", f"must be log-probabilities, got {lp}")
+        _check_logprob("first.top_logprobs", lp)
     if first.generator_state is not None:
         want = lim.generator_state_bytes
         if len(first.generator_state) != want:

@@ -69,7 +69,6 @@ KV_TRANSFER_PARAMS = "kv_transfer_params"
 TRANSFER_NOT_FOUND = "transfer_not_found"
 DECODE_NO_ROOM = "decode_no_room"
 DECODE_FAILED_CODES = frozenset({"decode_unreachable", "decode_failed"})
-DECODE_REFUSED_CODE = "decode_refused"
 
 # Stage-1 outcomes (also the values of kvmesh_router_pd_stage1_total{outcome}).
 OK = "ok"
@@ -226,7 +225,7 @@ def classify_stage1(status: int, body: bytes, transfer_id: str,
         return Stage1Answer(NO_ROOM, "the decode engine has no room for this request", status, body, headers)
     if status == 502 and code in DECODE_FAILED_CODES:
         return Stage1Answer(DECODE_FAILED, f"transfer failed ({code})", status, body, headers)
-    if status == 502 and code == DECODE_REFUSED_CODE:
+    if status == 502 and code == DECODE_REFUSED:
         return Stage1Answer(DECODE_REFUSED, "the decode engine refused this transfer", status, body, headers)
     if status == 429 or status >= 500:
         return Stage1Answer(PREFILL_FAILED, f"prefill engine answered HTTP {status}" + (f" ({code})" if code else ""),

@@ -115,13 +115,27 @@ def engine_report_from_metrics(text: str) -> EngineReport:
     return EngineReport(int(load) if seen_load else None, free)
 
 
+_ROOT_HEX = ROOT_HASH.hex()
+
+
 def chain_mismatch(info: dict[str, Any]) -> str | None:
     """The first ``/kv/info`` field whose hash chain differs from the router's own (None: same)."""
     if info.get("hash_function", HASH_FUNCTION) != HASH_FUNCTION:
         return "hash_function"
-    if info.get("root_hash", ROOT_HASH.hex()) != ROOT_HASH.hex():
+    if info.get("root_hash", _ROOT_HEX) != _ROOT_HEX:
         return "root_hash"
     return None
+
+
+def resync_reason(state: "EngineState", engine_id: str | None) -> str | None:
+    """Why a healthy probe answer makes the router's view of ``state`` stale (None: it does not):
+    the engine was out (it may have restarted or missed events), or ``/ready`` names another
+    ``engine_id`` than its ``/kv/info`` did (another process at the same address)."""
+    if state.info is None:
+        return None  # not loaded yet: the probe loads it
+    if engine_id and state.info.get("engine_id") not in (None, engine_id):
+        return "restarted"
+    return None if state.healthy else "is back"
 
 
 def engine_load_from_metrics(text: str) -> int | None:
@@ -145,6 +159,7 @@ class EngineState:
     info: dict[str, Any] | None = None
     subscriber: Any = None
     task: asyncio.Task | None = None
+    chain: str | None = None  # chain_mismatch(info), kept with info: the request path reads it
     warned_mismatch: str | None = None
 
     @property
@@ -223,11 +238,10 @@ class Fleet:
         block_size, extra = spec
         hashes = info.hashes(block_size, extra)
         return {url: self.index.match(url, hashes) for url, st in self.engines.items()
-                if st.block_size == block_size and st.extra == extra and not chain_mismatch(st.info or {})}, block_size
+                if st.block_size == block_size and st.extra == extra and st.chain is None}, block_size
 
     def _hash_spec(self) -> tuple[int, bytes] | None:
-        return common_hash_spec([(e.block_size, e.extra) for e in self.engines.values()
-                                 if not chain_mismatch(e.info or {})])
+        return common_hash_spec([(e.block_size, e.extra) for e in self.engines.values() if e.chain is None])
 
     def mismatches(self) -> dict[str, str]:
         """Engine URL -> the field that keeps it out of prefix matching (engines with KV info only)."""
@@ -236,7 +250,7 @@ class Fleet:
         for url, st in self.engines.items():
             if not st.info or st.block_size is None:
                 continue
-            name = chain_mismatch(st.info)
+            name = st.chain
             if name is None and spec is not None:
                 name = "block_size" if st.block_size != spec[0] else "extra_key" if st.extra != spec[1] else None
             if name is not None:
@@ -351,20 +365,15 @@ class Fleet:
                 return
             body = body if isinstance(body, dict) else {}
             state.draining = body.get("state") == "draining"
-            engine_id = body.get("engine_id")
-            if ok and state.info is not None and (not state.healthy or (
-                    engine_id and state.info.get("engine_id") not in (None, engine_id))):
-                # Back after a failure, or another process at the same address: what the index
-                # holds for it may be stale. Reload from a fresh snapshot.
-                log.info("engine %s %s: resyncing its KV state", state.url,
-                         "restarted" if engine_id != state.info.get("engine_id") else "is back")
+            why = resync_reason(state, body.get("engine_id")) if ok else None
+            if why is not None:
+                log.info("engine %s %s: reloading its KV state from a fresh snapshot", state.url, why)
                 await self._resync(state)
                 if not self._current(state):
                     return
             if ok and state.info is None:
-                await self._load_info(state, timeout)
+                await self._load_info(state, timeout)  # starts no subscriber for a removed engine
                 if not self._current(state):
-                    await self._stop_subscriber(state)
                     return
             if ok:
                 async with self.session.get(state.url + "/metrics", timeout=timeout) as r:
@@ -391,7 +400,7 @@ class Fleet:
         await self._stop_subscriber(state)
         if self._current(state):
             self.index.remove_engine(state.url)
-            state.info = None
+            state.info, state.chain = None, None
 
     async def _load_info(self, state: EngineState, timeout: aiohttp.ClientTimeout) -> None:
         async with self.session.get(state.url + "/kv/info", timeout=timeout) as r:
@@ -402,8 +411,8 @@ class Fleet:
             info = await r.json()
         if not self._current(state):
             return
-        state.info = info
-        if self.track_kv and info.get("kv_events") and not chain_mismatch(info):
+        state.info, state.chain = info, chain_mismatch(info)
+        if self.track_kv and info.get("kv_events") and state.chain is None:
             self._start_subscriber(state)
 
     def _start_subscriber(self, state: EngineState) -> None:
