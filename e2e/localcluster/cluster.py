@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -42,10 +43,27 @@ def log(msg: str) -> None:
     print(f"[cluster {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(taken: set[int] | None = None) -> int:
+    """A free port below the kernel's ephemeral range (where no outbound connection can take it
+    before the component binds it), not in ``taken``; adds it to ``taken``. This tool runs on
+    the system Python, apart from the kvmesh package and its port helpers."""
+    try:
+        high = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        high = 32768
+    taken = set() if taken is None else taken
+    for _ in range(500):
+        port = random.SystemRandom().randrange(10000, high)
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    raise ClusterError("no free port below the ephemeral range")
 
 
 DEFAULT_COMPONENTS = ("kubernetes", "etcd", "kwok", "helm")
@@ -115,8 +133,9 @@ def up(state_dir: Path, gpu_nodes: int = 2, cpu_nodes: int = 2, build: bool = Tr
     k8s, logs = bins["kubernetes"], state_dir / "logs"
     state_dir.mkdir(parents=True, exist_ok=True)
     pki = make_pki(state_dir / "pki")
-    ports = {k: free_port() for k in ("etcd", "etcd_peer", "apiserver", "kcm", "scheduler",
-                                      "kwok")}
+    taken: set[int] = set()
+    ports = {k: free_port(taken) for k in ("etcd", "etcd_peer", "apiserver", "kcm", "scheduler",
+                                           "kwok")}
     server = f"https://127.0.0.1:{ports['apiserver']}"
     kubeconfig = state_dir / "kubeconfig"
     (state_dir / "cluster.json").write_text(json.dumps(
@@ -196,7 +215,7 @@ def up(state_dir: Path, gpu_nodes: int = 2, cpu_nodes: int = 2, build: bool = Tr
         names = [n["metadata"]["name"] for n in nodes.cluster_nodes(gpu_nodes, cpu_nodes)]
         if real_node:
             names.append(node_runtime.start(
-                state_dir, bins["kubelet"] / "kubelet", kubeconfig, pki.ca_crt, free_port,
+                state_dir, bins["kubelet"] / "kubelet", kubeconfig, pki.ca_crt, lambda: free_port(taken),
                 _cache_dir(), lambda what, check, t, log_file: wait_for(
                     what, check, t, log_file, state_dir)))
 

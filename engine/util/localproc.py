@@ -6,12 +6,16 @@ and wait for them. A port returned here is free when asked, not reserved: a call
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+
+_LOWEST_PORT = 10000
 
 
 class ProcessExited(RuntimeError):
@@ -22,45 +26,52 @@ class NotReady(TimeoutError):
     """The process did not answer its readiness probe in time."""
 
 
+def _ephemeral_low() -> int:
+    """The first port the kernel hands to outbound connections; ports below it are never taken
+    behind a test's back by some process's client socket."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int, host: str) -> bool:
+    # UCX and some servers listen on the wildcard address, so a port must be free there too.
+    for addr in dict.fromkeys((host, "0.0.0.0")):
+        with socket.socket() as s:
+            try:
+                s.bind((addr, port))
+            except OSError:
+                return False
+    return True
+
+
+def free_port_run(n: int, host: str = "127.0.0.1", avoid: frozenset[int] = frozenset()) -> int:
+    """A port P such that P .. P + n - 1 are all free (for a process, or `kvmesh up`, that takes
+    consecutive ports from a base), none of them in ``avoid``.
+
+    Ports come from below the kernel's ephemeral range, at random: a port the kernel picks for
+    ``bind(0)`` can be taken a moment later by any outbound connection on the machine."""
+    high = min(_ephemeral_low(), 65536) - n
+    rng = random.SystemRandom()
+    for _ in range(500):
+        port = rng.randrange(_LOWEST_PORT, high)
+        ports = range(port, port + n)
+        if not avoid.intersection(ports) and all(_bindable(p, host) for p in ports):
+            return port
+    raise RuntimeError(f"no {n} consecutive free ports on {host} below {high + n}")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_port_run(1, host)
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct free ports (all bound at once while asking, so they differ)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_port_run(n: int, host: str = "127.0.0.1") -> int:
-    """A port P such that P .. P + n - 1 are all free (for a process, or `kvmesh up`, that takes
-    consecutive ports from a base)."""
-    for _ in range(200):
-        socks = [socket.socket()]
-        try:
-            socks[0].bind((host, 0))
-            port = socks[0].getsockname()[1]
-            if port + n - 1 > 65535:
-                continue
-            for k in range(1, n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, port + k))
-            return port
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports on {host}")
+    """``n`` distinct free ports."""
+    ports: list[int] = []
+    while len(ports) < n:
+        ports.append(free_port_run(1, host, avoid=frozenset(ports)))
+    return ports
 
 
 def free_port_pair(host: str = "127.0.0.1") -> int:

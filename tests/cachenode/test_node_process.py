@@ -27,7 +27,7 @@ from kvmesh.engine.transfer.errors import ConnectFailed, HeaderMismatch, PeerGon
 from kvmesh.engine.transfer.header import BlockHeader
 from kvmesh.engine.transfer.loop_thread import LoopThread
 
-from kvmesh.engine.util.localproc import ProcessExited, free_port_pair, free_ports, wait_ready
+from kvmesh.engine.util.localproc import ProcessExited, free_port_run, free_ports, wait_ready
 from ..transfer.kvdata import blocks, layout
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,7 +37,7 @@ KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 class NodeProc:
     def __init__(self, memory: str = "64MiB", events: bool = True) -> None:
         self.http_port, self.ucx_port = free_ports(2)
-        self.events_port = free_port_pair() if events else 0
+        self.events_port = free_port_run(2, avoid=frozenset((self.http_port, self.ucx_port))) if events else 0
         self.memory = memory
         self.proc: subprocess.Popen | None = None
 
