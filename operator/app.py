@@ -28,7 +28,7 @@ from .metrics import OperatorMetrics
 from .metrics_source import PodScrapeSource, PrometheusSource
 from .reconcile import KubeOps, Reconciler, ReconcileError
 from .render import ENGINE_PORT, MANAGED_BY, OWNER_LABEL
-from .scaling import DELETION_COST, LOWEST_COST, PodInfo
+from .scaling import DELETION_COST, DRAIN_ANNOTATION, LOWEST_COST, PodInfo
 
 log = logging.getLogger("kvmesh.operator")
 
@@ -48,6 +48,9 @@ class OperatorOptions:
     resync_s: float = 60.0
     prometheus_url: str | None = None  # None: the autoscaler scrapes the pods itself
     autoscale_s: float = 15.0
+    # How long a drained engine waits for this operator (or its next leader) before it serves
+    # again; renewed on every autoscaler tick, so several ticks and a leader change fit in it.
+    drain_lease_s: float = 120.0
 
 
 def production_ops() -> KubeOps:
@@ -70,14 +73,21 @@ def production_autoscaler(reconciler: Reconciler, opts: OperatorOptions,
         return [PodInfo(p["name"], p["endpoint"], engine_admin.in_flight(p["endpoint"]))
                 for p in found]
 
+    def recorded_drains(ns: str, name: str, pool: str) -> list[tuple[PodInfo, str]]:
+        return [(PodInfo(p["name"], p["endpoint"], None), p["annotations"][DRAIN_ANNOTATION])
+                for p in kube.pool_pods(ns, name, pool, ENGINE_PORT) if DRAIN_ANNOTATION in p["annotations"]]
+
     def apply_replicas(ns: str, name: str) -> None:
         _run(reconciler, ns, name)
 
     return AutoscaleRunner(source, AutoscaleIO(
         ready_pods=pods,
-        start_drain=lambda pod: engine_admin.start_drain(pod.endpoint),
+        start_drain=lambda pod: engine_admin.start_drain(pod.endpoint, opts.drain_lease_s),
         cancel_drain=lambda pod: engine_admin.cancel_drain(pod.endpoint),
         in_flight=lambda pod: engine_admin.in_flight(pod.endpoint),
+        is_draining=lambda pod: engine_admin.is_draining(pod.endpoint),
+        record_drain=lambda ns, pod, record: kube.annotate_pod(ns, pod.name, {DRAIN_ANNOTATION: record}),
+        recorded_drains=recorded_drains,
         mark_for_deletion=lambda ns, pod: kube.annotate_pod(ns, pod.name,
                                                             {DELETION_COST: str(LOWEST_COST)}),
         patch_status=kube.patch_status,

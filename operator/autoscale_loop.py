@@ -2,11 +2,12 @@
 
 Everything with side effects comes in through `AutoscaleIO` and the
 `MetricsSource`, so a tick runs the same against fakes (tests) and the
-cluster (app.py). Per InferenceDeployment it keeps, in memory only, the
-samples of the last metrics window, the decision state and the pools'
-drains in progress; after an operator restart the autoscaler observes for a
-full stabilization window before acting again (autoscaler.decide's rule), and
-the replicas it chose survive in `status.autoscaling` (effective_replicas).
+cluster (app.py). Per InferenceDeployment it keeps in memory the samples of
+the last metrics window and the decision state; after an operator restart
+the autoscaler observes for a full stabilization window before acting again
+(autoscaler.decide's rule), the replicas it chose survive in
+`status.autoscaling` (effective_replicas), and a drain in progress survives on
+its pod (scaling.DRAIN_ANNOTATION), which the first tick of each pool adopts.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ class AutoscaleIO:
     """Cluster and engine effects, per InferenceDeployment (namespace, name)."""
 
     ready_pods: Callable[[str, str, str], list[PodInfo]]  # (ns, name, pool)
-    start_drain: Callable[[PodInfo], None]
+    start_drain: Callable[[PodInfo], None]  # also renews the drain's lease
     cancel_drain: Callable[[PodInfo], None]
     in_flight: Callable[[PodInfo], int | None]
+    is_draining: Callable[[PodInfo], bool | None]
+    record_drain: Callable[[str, PodInfo, str | None], None]  # (ns, pod, annotation or None)
+    recorded_drains: Callable[[str, str, str], list[tuple[PodInfo, str]]]  # (ns, name, pool)
     mark_for_deletion: Callable[[str, PodInfo], None]  # (ns, pod)
     patch_status: Callable[[str, str, Mapping[str, Any]], None]  # merge patch of .status
     apply_replicas: Callable[[str, str], None]  # (ns, name): a reconcile pass
@@ -73,6 +77,15 @@ class _PoolIO:
 
     def in_flight(self, pod: PodInfo) -> int | None:
         return self.r.io.in_flight(pod)
+
+    def is_draining(self, pod: PodInfo) -> bool | None:
+        return self.r.io.is_draining(pod)
+
+    def record_drain(self, pool: str, pod: PodInfo, record: str | None) -> None:
+        self.r.io.record_drain(self.ns, pod, record)
+
+    def recorded_drains(self, pool: str) -> list[tuple[PodInfo, str]]:
+        return self.r.io.recorded_drains(self.ns, self.name, pool)
 
     def mark_for_deletion(self, pool: str, pod: PodInfo) -> None:
         self.r.io.mark_for_deletion(self.ns, pod)
@@ -151,6 +164,11 @@ class AutoscaleRunner:
             if scaler is None:
                 scaler = tracked.scalers[pool] = PoolScaler(
                     pool, pool_io, spec.component(pool).termination_grace_period_seconds)
+                adopted = scaler.adopt()
+                if adopted is not None:
+                    log.info("%s/%s %s: %s", ns, name, pool, adopted)
+                    if self.metrics is not None:
+                        self.metrics.record_step(ns, name, pool, adopted)
             scaler.io = pool_io
             outcome = scaler.step(d, now)
             if outcome not in ("hold", "draining"):

@@ -60,6 +60,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--autoscale-period", type=_positive, default=15.0, metavar="S",
                         help="how often the autoscaler samples and decides (default 15; keep it "
                              "well under metricsWindowSeconds)")
+    parser.add_argument("--drain-lease", type=_positive, default=120.0, metavar="S",
+                        help="a drained engine serves again unless the operator renews its drain "
+                             "within this many seconds (renewed every autoscale period; default "
+                             "120: long enough for a leader change)")
     parser.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", "INFO"),
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -69,6 +73,11 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         raise SystemExit(
             f"--renew-deadline ({args.renew_deadline}s) must be shorter than --lease-duration "
             f"({args.lease_duration}s), or two replicas could both think they lead"
+        )
+    if args.drain_lease < 3 * args.autoscale_period:
+        raise SystemExit(
+            f"--drain-lease ({args.drain_lease}s) must be at least three --autoscale-period "
+            f"({args.autoscale_period}s), or a slow tick lets a drained engine serve again mid-drain"
         )
     return OperatorOptions(
         namespaces=list(args.namespaces),
@@ -84,6 +93,7 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         resync_s=args.resync_period,
         prometheus_url=args.prometheus_url,
         autoscale_s=args.autoscale_period,
+        drain_lease_s=args.drain_lease,
     )
 
 

@@ -11,18 +11,19 @@ class DrainRequestError(RuntimeError):
     """An engine refused or did not answer a drain request; the message names it."""
 
 
-def _admin_drain(method: str, endpoint: str) -> None:
+def _admin_drain(method: str, endpoint: str, params: dict | None = None) -> None:
     url = f"http://{endpoint}/admin/drain"
     try:
-        r = httpx.request(method, url, timeout=TIMEOUT_S)
+        r = httpx.request(method, url, params=params, timeout=TIMEOUT_S)
     except httpx.HTTPError as exc:
         raise DrainRequestError(f"{method} {url}: {exc}") from exc
     if r.status_code not in (200, 202):
         raise DrainRequestError(f"{method} {url}: HTTP {r.status_code}: {r.text[:200]}")
 
 
-def start_drain(endpoint: str) -> None:
-    _admin_drain("POST", endpoint)
+def start_drain(endpoint: str, lease_s: float) -> None:
+    """Drain the engine, or renew its drain: it serves again unless asked within ``lease_s``."""
+    _admin_drain("POST", endpoint, {"lease_s": lease_s})
 
 
 def cancel_drain(endpoint: str) -> None:
@@ -30,10 +31,23 @@ def cancel_drain(endpoint: str) -> None:
     _admin_drain("DELETE", endpoint)
 
 
+def _drain_status(endpoint: str) -> dict | None:
+    try:
+        r = httpx.get(f"http://{endpoint}/admin/drain", timeout=TIMEOUT_S)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 def in_flight(endpoint: str) -> int | None:
     """API requests still running on the engine; None when it does not answer (gone)."""
     try:
-        r = httpx.get(f"http://{endpoint}/admin/drain", timeout=TIMEOUT_S)
-        return int(r.json()["in_flight"]) if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, KeyError):
+        return int(_drain_status(endpoint)["in_flight"])  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
         return None
+
+
+def is_draining(endpoint: str) -> bool | None:
+    """Whether the engine drains now; None when it does not answer."""
+    got = _drain_status(endpoint)
+    return None if got is None else bool(got.get("draining"))

@@ -149,21 +149,30 @@ def patch_status(namespace: str, name: str, status: Mapping[str, Any]) -> None:
 
 
 # ---- autoscaling (pods of a pool, deletion cost, events) ----------------------------------
-def ready_pool_pods(namespace: str, owner_name: str, component: str, port: int) -> list[dict]:
-    """Ready pods of one pool: [{"name", "endpoint"}] (the pool's selector labels)."""
+def pool_pods(namespace: str, owner_name: str, component: str, port: int) -> list[dict]:
+    """Live pods of one pool (the pool's selector labels) that have an IP:
+    [{"name", "endpoint", "ready", "annotations"}]."""
     selector = (f"app.kubernetes.io/name=kvmesh,app.kubernetes.io/instance={owner_name},"
                 f"app.kubernetes.io/component={component}")
     pods = client.CoreV1Api(api_client()).list_namespaced_pod(namespace, label_selector=selector)
     out = []
     for pod in pods.items:
+        if not pod.status.pod_ip or pod.metadata.deletion_timestamp:
+            continue
         ready = any(c.type == "Ready" and c.status == "True"
                     for c in (pod.status.conditions or ()))
-        if ready and pod.status.pod_ip and not pod.metadata.deletion_timestamp:
-            out.append({"name": pod.metadata.name, "endpoint": f"{pod.status.pod_ip}:{port}"})
+        out.append({"name": pod.metadata.name, "endpoint": f"{pod.status.pod_ip}:{port}",
+                    "ready": ready, "annotations": dict(pod.metadata.annotations or {})})
     return out
 
 
-def annotate_pod(namespace: str, pod: str, annotations: Mapping[str, str]) -> None:
+def ready_pool_pods(namespace: str, owner_name: str, component: str, port: int) -> list[dict]:
+    """Ready pods of one pool: [{"name", "endpoint", ...}]."""
+    return [p for p in pool_pods(namespace, owner_name, component, port) if p["ready"]]
+
+
+def annotate_pod(namespace: str, pod: str, annotations: Mapping[str, str | None]) -> None:
+    """Merge-patch a pod's annotations (a None value removes that annotation)."""
     client.CoreV1Api(api_client()).patch_namespaced_pod(
         pod, namespace, {"metadata": {"annotations": dict(annotations)}}, _content_type=MERGE)
 

@@ -16,9 +16,11 @@ PodMonitor sets `honorLabels: true`; otherwise Prometheus would rename
     kvmesh_autoscaler_drains_timed_out_total  counter  victims removed with requests left after
                                                        the grace period (their SIGTERM drain
                                                        lets those finish)
+    kvmesh_autoscaler_drains_cancelled_total  counter  drains superseded by a scale-up
+    kvmesh_autoscaler_drains_resumed_total    counter  drains a previous operator started, taken over
 
-Invariants: started = finished + timed_out + drains in progress (at most one
-per pool); the gauges describe the latest decision of each pool of the
+Invariants: started + resumed = finished + timed_out + cancelled + drains in
+progress (at most one per pool); the gauges describe the latest decision of each pool of the
 InferenceDeployments seen by the last `retain` call, and nothing else, so a
 deleted InferenceDeployment's gauges disappear instead of going stale. The
 registry belongs to the object (one per operator process or test).
@@ -40,6 +42,7 @@ from .autoscaler import Decision
 LABELS = ("namespace", "inference_deployment", "component")
 # step() outcomes of scaling.PoolScaler that end or begin a drain.
 DRAIN_STARTED, DRAINED, DRAIN_TIMED_OUT = "drain-started", "drained", "drain-timed-out"
+DRAIN_CANCELLED, DRAIN_RESUMED = "drain-cancelled", "drain-resumed"
 
 PoolKey = tuple[str, str, str]  # (namespace, inference deployment, component)
 
@@ -76,6 +79,10 @@ class OperatorMetrics:
             DRAIN_TIMED_OUT: counter(self.registry, "kvmesh_autoscaler_drains_timed_out_total",
                                      "Drain victims removed with requests still in flight after the "
                                      "pool's terminationGracePeriodSeconds.", LABELS),
+            DRAIN_CANCELLED: counter(self.registry, "kvmesh_autoscaler_drains_cancelled_total",
+                                     "Drains superseded by a scale-up (the victim serves again).", LABELS),
+            DRAIN_RESUMED: counter(self.registry, "kvmesh_autoscaler_drains_resumed_total",
+                                   "Drains recorded on a pod by a previous operator and taken over.", LABELS),
         }
         self.registry.register(CallbackCollector(self._gauges))
 

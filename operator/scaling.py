@@ -13,6 +13,14 @@ drive it with fakes. A scale-down goes:
 A scale-up decided while a drain runs supersedes it: the victim's drain is
 cancelled (DELETE /admin/drain: it serves again) and replicas go up at once.
 
+A drain outlives the operator that started it. It is recorded on the victim
+(annotation DRAIN_ANNOTATION, written before the engine is asked to drain, so a
+drained engine always has one) and asked for with a lease the scaler renews on
+every tick. A new leader's first tick of a pool `adopt`s what it finds: it
+resumes the drain of a recorded pod whose engine still drains and undoes every
+other record (undrain, drop the annotation). An engine nobody renews serves again
+when its lease runs out, so no pod stays unready and unremoved for ever.
+
 Invariants: at most one drain per pool at a time; replicas are lowered only
 after the victim drained or its bound passed (then its own SIGTERM drain,
 bounded by --drain-timeout, still lets its requests finish); a pool is never
@@ -22,6 +30,7 @@ drain ends (never a count fixed earlier), so no undrained pod is removed.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,6 +41,8 @@ DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 LOWEST_COST = -(2**31)
 # A pod whose in-flight count is unknown is picked last.
 UNKNOWN_LOAD = 1 << 30
+# On a pod being drained: {"started": unix, "deadline": unix}; gone with the pod or the drain.
+DRAIN_ANNOTATION = "serving.kvmesh.io/drain"
 
 
 @dataclass(frozen=True)
@@ -41,23 +52,40 @@ class PodInfo:
     in_flight: int | None  # None: the pod did not answer
 
 
-class ScaleIO(Protocol):
-    """The effects a PoolScaler needs (kube.py + HTTP in production, fakes in tests)."""
-
-    def ready_pods(self, pool: str) -> list[PodInfo]: ...
-    def start_drain(self, pod: PodInfo) -> None: ...
-    def cancel_drain(self, pod: PodInfo) -> None: ...
-    def in_flight(self, pod: PodInfo) -> int | None: ...  # None: gone or not answering
-    def mark_for_deletion(self, pool: str, pod: PodInfo) -> None: ...
-    def set_replicas(self, pool: str, replicas: int) -> None: ...
-    def event(self, pool: str, reason: str, message: str) -> None: ...
-
-
-@dataclass
+@dataclass(frozen=True)
 class Drain:
     pod: PodInfo
     started: float
     deadline: float
+
+
+def drain_record(d: Drain) -> str:
+    """The DRAIN_ANNOTATION value for a drain."""
+    return json.dumps({"started": d.started, "deadline": d.deadline}, sort_keys=True)
+
+
+def parse_drain_record(pod: PodInfo, value: str) -> Drain | None:
+    """The drain a DRAIN_ANNOTATION value records; None when it is not one (edited by hand)."""
+    try:
+        got = json.loads(value)
+        return Drain(pod, float(got["started"]), float(got["deadline"]))
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+class ScaleIO(Protocol):
+    """The effects a PoolScaler needs (kube.py + HTTP in production, fakes in tests)."""
+
+    def ready_pods(self, pool: str) -> list[PodInfo]: ...
+    def start_drain(self, pod: PodInfo) -> None: ...  # asks again: renews the lease
+    def cancel_drain(self, pod: PodInfo) -> None: ...
+    def is_draining(self, pod: PodInfo) -> bool | None: ...  # None: gone or not answering
+    def record_drain(self, pool: str, pod: PodInfo, record: str | None) -> None: ...  # None: drop it
+    def recorded_drains(self, pool: str) -> list[tuple[PodInfo, str]]: ...  # (pod, annotation)
+    def in_flight(self, pod: PodInfo) -> int | None: ...  # None: gone or not answering
+    def mark_for_deletion(self, pool: str, pod: PodInfo) -> None: ...
+    def set_replicas(self, pool: str, replicas: int) -> None: ...
+    def event(self, pool: str, reason: str, message: str) -> None: ...
 
 
 @dataclass
@@ -101,23 +129,67 @@ class PoolScaler:
             return "scaled-down"
         victim = min(pods, key=lambda p: (UNKNOWN_LOAD if p.in_flight is None else p.in_flight,
                                           p.name))
-        self.io.start_drain(victim)
-        self.draining = Drain(victim, now, now + self.grace_s)
+        drain = Drain(victim, now, now + self.grace_s)
+        # Recorded first: whatever drains has a record a next leader finds.
+        self.io.record_drain(self.pool, victim, drain_record(drain))
+        try:
+            self.io.start_drain(victim)
+        except Exception:
+            self._forget(victim)
+            raise
+        self.draining = drain
         self.io.event(self.pool, "DrainingPod",
                       f"{self.pool}: draining {victim.name} ({victim.in_flight} in flight) before "
                       f"{decision.current} -> {decision.current - 1} ({decision.reason}: "
                       f"{decision.message})")
         return "drain-started"
 
+    def adopt(self) -> str | None:
+        """Take over the drains recorded in this pool by an operator before this one (call once,
+        before the first step): resume the oldest whose engine still drains, undo the others.
+        Returns what happened, or None when nothing was recorded."""
+        records = []
+        for pod, value in self.io.recorded_drains(self.pool):
+            d = parse_drain_record(pod, value)
+            records.append((d.started if d else float("inf"), pod.name, pod, d))
+        outcome = None
+        for _, _, pod, d in sorted(records, key=lambda r: r[:2]):
+            if d is not None and self.draining is None and self.io.is_draining(pod):
+                self.draining = d
+                outcome = "drain-resumed"
+                self.io.event(self.pool, "DrainResumed",
+                              f"{self.pool}: resuming the drain of {pod.name} that a previous operator "
+                              "started")
+                continue
+            undone = self._undrain(pod)
+            outcome = outcome or "drain-undone"
+            self.io.event(self.pool, "DrainUndone",
+                          f"{self.pool}: dropped the drain of {pod.name} a previous operator left "
+                          f"({'another drain is resumed' if self.draining else 'its engine no longer drains'}; "
+                          f"{undone})")
+        return outcome
+
+    def _forget(self, pod: PodInfo) -> None:
+        try:
+            self.io.record_drain(self.pool, pod, None)
+        except Exception:  # noqa: BLE001 - the pod is gone: so is its record
+            pass
+
+    def _undrain(self, pod: PodInfo) -> str:
+        """Make `pod` serve again and drop its record; says how it went."""
+        try:
+            self.io.cancel_drain(pod)
+            undone = f"{pod.name} serves again"
+        except Exception as exc:  # noqa: BLE001 - gone or unreachable: the caller goes on regardless
+            undone = f"could not undrain {pod.name} ({exc}); its drain lease runs out"
+        self._forget(pod)
+        return undone
+
     def _cancel_drain(self, decision: Decision) -> str:
         d = self.draining
         assert d is not None
         self.draining = None
-        try:
-            self.io.cancel_drain(d.pod)
-            undone = f"{d.pod.name} serves again"
-        except Exception as exc:  # noqa: BLE001 - gone or unreachable: the scale-up must still happen
-            undone = f"could not undrain {d.pod.name} ({exc}); it stays unready until replaced"
+        undone = self._undrain(d.pod)
         self.io.set_replicas(self.pool, decision.desired)
         self.io.event(self.pool, "DrainCancelled",
                       f"{self.pool}: scale-up {decision.current} -> {decision.desired} supersedes the drain "
@@ -127,6 +199,10 @@ class PoolScaler:
     def _continue_drain(self, decision: Decision, now: float) -> str:
         d = self.draining
         assert d is not None
+        try:
+            self.io.start_drain(d.pod)  # renews the lease
+        except Exception:  # noqa: BLE001 - gone: in_flight says so next
+            pass
         left = self.io.in_flight(d.pod)
         if left is not None and left > 0 and now < d.deadline:
             return "draining"

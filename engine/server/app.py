@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
@@ -23,7 +23,7 @@ from kvmesh.engine.api import errors
 from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
 from kvmesh.engine.server.disagg import DisaggServing
-from kvmesh.engine.server.drain import Drainer
+from kvmesh.engine.server.drain import MAX_DRAIN_LEASE_S, Drainer
 from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.server.generation import Serving
 from kvmesh.engine.server.kv_routes import add_kv_routes
@@ -157,10 +157,10 @@ class ServerApp:
                                 status_code=200 if aengine.ready else 503)
 
         @app.post("/admin/drain")
-        async def start_drain() -> JSONResponse:
+        async def start_drain(lease_s: float | None = Query(None, gt=0, le=MAX_DRAIN_LEASE_S)) -> JSONResponse:
             # Same drain as SIGTERM, without exiting: the operator drains a victim,
-            # waits for in_flight 0, then removes the pod.
-            self.drainer.start("POST /admin/drain")
+            # waits for in_flight 0, then removes the pod. It renews the lease on every tick.
+            self.drainer.start("POST /admin/drain", lease_s=lease_s)
             return JSONResponse(self.drainer.status(), status_code=202)
 
         @app.get("/admin/drain")

@@ -11,6 +11,11 @@ removes it (whose SIGTERM then finds nothing left to wait for).
 Invariant: at most one drain per server; asking again joins the running one. An admin drain
 can be cancelled (DELETE /admin/drain: the operator scaled the pool up again), which makes the
 server ready again; a shutdown's drain (SIGTERM) cannot.
+
+An admin drain may carry a lease (`lease_s`): whoever asked renews it by asking again, and a
+lease that runs out cancels the drain. The operator drains with a lease, so an engine whose
+operator died mid-drain (and whose next leader did not take the drain over) serves again by
+itself instead of staying unready, and unremoved, forever.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from kvmesh.engine.server.async_engine import AsyncEngine
 
 log = logging.getLogger("kvmesh.server")
 
+MAX_DRAIN_LEASE_S = 86400.0
 ABORT_GRACE_S = 5.0  # after aborting leftovers at the timeout, time for their final chunks
 
 
@@ -38,7 +44,9 @@ class Drainer:
     finished_at: float | None = None
     aborted: int = 0  # requests still in flight at the timeout
     final: bool = False  # a shutdown waits for this drain: it cannot be cancelled
+    lease_expires_at: float | None = None  # Unix time; None: the drain holds until cancelled
     _task: asyncio.Task | None = field(default=None, repr=False)
+    _lease_task: asyncio.Task | None = field(default=None, repr=False)
 
     @property
     def started(self) -> bool:
@@ -48,15 +56,35 @@ class Drainer:
     def done(self) -> bool:
         return self._task is not None and self._task.done()
 
-    def start(self, why: str, final: bool = False) -> asyncio.Task:
+    def start(self, why: str, final: bool = False, lease_s: float | None = None) -> asyncio.Task:
         """Begin draining (call on the event loop); returns the drain's task, the same on every
-        call. ``final``: the process shuts down after it (SIGTERM), so nothing may cancel it."""
+        call. ``final``: the process shuts down after it (SIGTERM), so nothing may cancel it.
+        ``lease_s``: the drain is cancelled unless asked for again within that many seconds
+        (each call renews it; a call without one makes the drain hold until cancelled)."""
         self.final = self.final or final
         if self._task is None:
             self.reason = why
             self.started_at = time.time()
             self._task = asyncio.ensure_future(self._run(why))
+        if self.final or lease_s is None:
+            self.lease_expires_at = None
+        else:
+            self.lease_expires_at = time.time() + lease_s
+            if self._lease_task is None:
+                self._lease_task = asyncio.ensure_future(self._expire())
         return self._task
+
+    async def _expire(self) -> None:
+        # Sleeps until the current expiry; a renewal moves it, so look again after each sleep.
+        while self.lease_expires_at is not None and not self.final:
+            left = self.lease_expires_at - time.time()
+            if left <= 0:
+                log.warning("drain lease (%s) ran out without a renewal: serving again", self.reason)
+                self._lease_task = None  # cancel() must not cancel this task, which runs it
+                self.cancel()
+                return
+            await asyncio.sleep(left)
+        self._lease_task = None
 
     async def _run(self, why: str) -> None:
         ae = self.aengine
@@ -79,8 +107,10 @@ class Drainer:
         if self._task is not None:
             self._task.cancel()
             log.info("drain cancelled (%s): taking requests again", self.reason)
-        self._task = None
-        self.reason = self.started_at = self.finished_at = None
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+        self._task = self._lease_task = None
+        self.reason = self.started_at = self.finished_at = self.lease_expires_at = None
         self.aborted = 0
         self.aengine.end_drain()
         return True
@@ -98,4 +128,5 @@ class Drainer:
             "finished_at": self.finished_at,
             "timeout_s": self.timeout_s,
             "aborted": self.aborted,
+            "lease_expires_at": self.lease_expires_at,
         }

@@ -170,9 +170,18 @@ class OperatorProcess:
     proc: subprocess.Popen
     log: Path
     health_port: int
+    kubeconfig: Path
+    args: tuple[str, ...]
 
     @classmethod
     def start(cls, kubeconfig: Path, log: Path, *args: str) -> OperatorProcess:
+        proc, port = cls._spawn(kubeconfig, log, args)
+        op = cls(proc, log, port, kubeconfig, args)
+        op._await_health()
+        return op
+
+    @staticmethod
+    def _spawn(kubeconfig: Path, log: Path, args: tuple[str, ...]) -> tuple[subprocess.Popen, int]:
         port = free_port()
         env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
         out = open(log, "ab")
@@ -181,11 +190,19 @@ class OperatorProcess:
              "--health-host", "127.0.0.1", *args],
             stdout=out, stderr=subprocess.STDOUT, env=env)
         out.close()
-        op = cls(proc, log, port)
-        wait_until("operator health endpoint", lambda: op.probe("/healthz") == 200 or
-                   op.exited(), timeout=60)
-        assert not op.exited(), op.tail()
-        return op
+        return proc, port
+
+    def _await_health(self) -> None:
+        wait_until("operator health endpoint", lambda: self.probe("/healthz") == 200 or
+                   self.exited(), timeout=60)
+        assert not self.exited(), self.tail()
+
+    def restart(self, sig_kill: bool = False) -> None:
+        """Stop this operator (SIGKILL: as if its node died, nothing cleaned up) and start another
+        with the same arguments in its place; it leads once the old one's lease runs out."""
+        self.stop(sig_kill=sig_kill)
+        self.proc, self.health_port = self._spawn(self.kubeconfig, self.log, self.args)
+        self._await_health()
 
     def exited(self) -> bool:
         return self.proc.poll() is not None

@@ -13,7 +13,8 @@ autoscaler on:
   in-flight work (POST /admin/drain), waits until its stream has finished, then lowers the
   Deployment's replicas so that the ReplicaSet removes exactly that pod. No request is cut: both
   streams end with the whole greedy answer, and requests sent during the drain are answered by
-  the other pod.
+  the other pod. Mid-drain the operator is killed (SIGKILL) and a new one started: it finds the
+  drain recorded on the victim and resumes it.
 
 The operator reaches the pods' IPs directly (it runs on the host, which is the real node); on a
 cluster whose pod network the host cannot reach (kind), the drain test needs the operator in the
@@ -27,6 +28,7 @@ import json
 import pytest
 
 from kvmesh.engine.config import EngineConfig
+from kvmesh.operator.scaling import DRAIN_ANNOTATION
 
 from .helpers import wait_until
 from .realpods import (MAX_TOKENS, QUESTIONS, Stream, chat_matches_reference, check_completion, deploy,
@@ -122,7 +124,7 @@ def _draining_pod(cluster, ns) -> str | None:
 
 
 def test_scale_down_drains_the_victim_and_cuts_no_request(cluster, deployment, router_url,
-                                                          hf_reference):
+                                                          hf_reference, operator):
     if not cluster.local:
         pytest.skip("the operator runs on the host and reaches pod IPs only on the local real node")
     for q in STREAMS:  # the references first, so that nothing competes with the streams later
@@ -148,6 +150,18 @@ def test_scale_down_drains_the_victim_and_cuts_no_request(cluster, deployment, r
         chat_matches_reference(router_url, hf_reference, q, where="during the drain: ")
     assert _draining_pod(cluster, deployment) == victim, "the drain ended before its stream did"
     assert cluster.deployments(deployment, NAME)["decode"].spec.replicas == 2
+
+    # The operator dies mid-drain (SIGKILL: nothing cleaned up) and another takes its place. The
+    # drain is recorded on the victim, so the new leader resumes it instead of leaving the
+    # victim unready and unremoved.
+    record = cluster.core.read_namespaced_pod(victim, deployment).metadata.annotations or {}
+    assert DRAIN_ANNOTATION in record, record
+    operator.restart(sig_kill=True)
+    wait_until("the new operator to lead", operator.is_leader, timeout=60)
+    wait_until("the new operator to resume the drain", lambda: any(
+        e.reason == "DrainResumed" and victim in e.message for e in _events(cluster, deployment)),
+        timeout=120, every=1)
+    assert _draining_pod(cluster, deployment) == victim
 
     for i, s in enumerate(streams):
         s.finished()

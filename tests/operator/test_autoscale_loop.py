@@ -14,6 +14,7 @@ class Fakes:
                                 PodInfo("llm-decode-x-b", "10.0.0.2:8000", 0)]}
         self.patches, self.applies, self.events, self.drained, self.marked = [], [], [], [], []
         self.in_flight_left = 0
+        self.records: dict[str, str] = {}  # pod -> its drain annotation
 
     def sample(self, target, now):
         n = len(target.endpoints)
@@ -33,11 +34,21 @@ class Fakes:
                 status[k] = v
         self.obj["status"] = status
 
+    def record_drain(self, ns, pod, record):
+        if record is None:
+            self.records.pop(pod.name, None)
+        else:
+            self.records[pod.name] = record
+
     def io(self):
         return AutoscaleIO(
             ready_pods=lambda ns, name, pool: self.pods.get(pool, []),
-            start_drain=lambda pod: self.drained.append(pod.name),
+            start_drain=lambda pod: pod.name in self.drained or self.drained.append(pod.name),
             cancel_drain=lambda pod: self.drained.remove(pod.name),
+            is_draining=lambda pod: pod.name in self.drained,
+            record_drain=self.record_drain,
+            recorded_drains=lambda ns, name, pool: [(PodInfo(n, "10.0.0.9:8000", None), v)
+                                                    for n, v in self.records.items() if f"-{pool}-" in n],
             in_flight=lambda pod: self.in_flight_left,
             mark_for_deletion=lambda ns, pod: self.marked.append(pod.name),
             patch_status=self.patch_status,
@@ -80,6 +91,25 @@ def test_scale_down_drains_first_and_lowers_replicas_only_when_drained():
     assert f.marked == ["llm-decode-x-b"] and f.applies == ["llm"]
     assert obj["status"]["autoscaling"]["decode"]["desiredReplicas"] == 1
     assert f.events == ["DrainingPod", "ScaledDown"]
+
+
+def test_an_operator_restarted_mid_drain_resumes_it_from_the_pods_record():
+    obj = cr()
+    f = Fakes(obj, kv=0.05)
+    f.in_flight_left = 1
+    AutoscaleRunner(f, f.io()).tick(obj, now=1000.0)
+    assert f.drained == ["llm-decode-x-b"] and f.records.keys() == {"llm-decode-x-b"}
+    f.pods["decode"] = f.pods["decode"][:1]  # the drained pod is no longer ready
+
+    successor = AutoscaleRunner(f, f.io())  # a new leader: nothing in memory
+    successor.tick(obj, now=1010.0)
+    assert f.events == ["DrainingPod", "DrainResumed"]
+    assert obj["status"]["autoscaling"]["decode"]["drainingPod"] == "llm-decode-x-b"
+    assert "desiredReplicas" not in obj["status"]["autoscaling"]["decode"]
+    f.in_flight_left = 0
+    successor.tick(obj, now=1020.0)
+    assert f.marked == ["llm-decode-x-b"] and f.applies == ["llm"] and f.events[-1] == "ScaledDown"
+    assert obj["status"]["autoscaling"]["decode"]["desiredReplicas"] == 1
 
 
 def test_an_unchanged_decision_writes_no_status():

@@ -68,7 +68,8 @@ class OperatorLoop:
         self.metrics = OperatorMetrics()
         self.runner = AutoscaleRunner(PodScrapeSource(), AutoscaleIO(
             ready_pods=lambda ns, name, pool: pods, start_drain=lambda pod: None, cancel_drain=lambda pod: None,
-            in_flight=lambda pod: 0, mark_for_deletion=lambda ns, pod: None,
+            in_flight=lambda pod: 0, is_draining=lambda pod: False, record_drain=lambda ns, pod, record: None,
+            recorded_drains=lambda ns, name, pool: [], mark_for_deletion=lambda ns, pod: None,
             patch_status=self._patch_status, apply_replicas=lambda ns, name: None,
             event=lambda obj, reason, message: None), metrics=self.metrics)
         self.loop = asyncio.new_event_loop()

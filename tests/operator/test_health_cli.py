@@ -46,3 +46,10 @@ def test_renew_deadline_must_be_shorter_than_lease():
 def test_namespace_and_all_namespaces_are_exclusive():
     with pytest.raises(SystemExit):
         parse("-n", "a", "--all-namespaces")
+
+
+def test_the_drain_lease_must_outlast_several_autoscale_periods():
+    assert options_from_args(parse()).drain_lease_s == 120
+    assert options_from_args(parse("--autoscale-period", "2", "--drain-lease", "6")).drain_lease_s == 6
+    with pytest.raises(SystemExit, match="drain-lease"):
+        options_from_args(parse("--autoscale-period", "15", "--drain-lease", "30"))

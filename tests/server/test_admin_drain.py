@@ -100,3 +100,55 @@ def test_a_shutdowns_drain_cannot_be_cancelled():
         await server.aengine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_leased_drain_holds_while_renewed_and_serves_again_when_its_lease_runs_out():
+    """The operator renews its drain's lease every tick; an operator that died mid-drain (and a
+    next leader that did not take the drain over) must not leave the pod unready for ever."""
+    engine = FakeEngine(step_delay_s=0.0)
+    server = ServerApp(AsyncEngine(lambda: engine), drain_timeout_s=60)
+    with TestClient(server.app) as c:
+        _wait(lambda: c.get("/ready").status_code == 200)
+        r = c.post("/admin/drain", params={"lease_s": 0.6})
+        assert r.status_code == 202 and r.json()["lease_expires_at"] > time.time()
+        for _ in range(4):  # renewed faster than it runs out: still drained after 1.2 s
+            time.sleep(0.3)
+            assert c.post("/admin/drain", params={"lease_s": 0.6}).status_code == 202
+            assert c.get("/ready").status_code == 503
+        _wait(lambda: c.get("/ready").status_code == 200, timeout=5)
+        st = c.get("/admin/drain").json()
+        assert st["draining"] is False and st["lease_expires_at"] is None
+        assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+        # Without a lease a drain holds until it is cancelled.
+        assert c.post("/admin/drain").status_code == 202
+        time.sleep(0.8)
+        assert c.get("/ready").status_code == 503
+        assert c.delete("/admin/drain").status_code == 200
+
+
+def test_a_drain_lease_out_of_range_is_refused_with_the_field_named():
+    engine = FakeEngine(step_delay_s=0.0)
+    server = ServerApp(AsyncEngine(lambda: engine), drain_timeout_s=60)
+    with TestClient(server.app) as c:
+        _wait(lambda: c.get("/ready").status_code == 200)
+        for bad in ("0", "-1", "abc", "1e9"):
+            r = c.post("/admin/drain", params={"lease_s": bad})
+            assert r.status_code == 400, (bad, r.text)
+            assert "lease_s" in r.text
+        assert c.get("/ready").status_code == 200  # nothing was drained
+
+
+def test_a_shutdown_joining_a_leased_drain_is_not_undone_by_the_lease():
+    async def main() -> None:
+        server = build_server(ServeSettings(drain_timeout_s=5), engine_factory=FakeEngine)
+        app = server.config.app.state.server
+        server.aengine.start()
+        await server.aengine.loaded.wait()
+        app.drainer.start("POST /admin/drain", lease_s=0.2)
+        await server.drain("SIGTERM")
+        await asyncio.sleep(0.4)
+        assert app.drainer.started and app.drainer.lease_expires_at is None
+        assert server.aengine.state is ServerState.DRAINING
+        await server.aengine.shutdown()
+
+    asyncio.run(main())
