@@ -36,6 +36,7 @@ from kvmesh.engine.model.llama import LlamaModel
 from kvmesh.engine.model.loader import LoadedModel, load_model
 from kvmesh.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from kvmesh.engine.request import Request, RequestStatus
+from kvmesh.engine.roles import Abort, Add, Call, Claim, DecodeClaim, Handoff, PrefillHandoff, StepCommand
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.scheduler import Scheduler
@@ -266,27 +267,20 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                    priority: int = 0, arrival_time: float | None = None, handoff_from: int | None = None,
-                    handoff_stream: bool = False, transfer_id: str | None = None,
-                    claimed: Future | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None,
+                    handoff: Handoff | None = None) -> None:
         """Validate (see check_request) and enqueue; the request joins at the next step.
 
-        ``handoff_from`` (prefill role): stop after the first token and hand the KV of prompt
-        blocks from that index on to a decode engine (the final output carries a ``KVHandoff``;
-        call ``release_handoff`` once it was delivered); with ``handoff_stream`` every step that
-        completes prompt blocks also outputs them as a partial handoff (not finished, no tokens).
-        ``transfer_id`` (decode role): the
-        prompt's KV and first token arrived under that transfer; ``claimed`` resolves when the
-        engine took it over (or fails with ``UnknownTransfer``/``TransferMismatch``, and the
-        request ends with an "abort" output).
+        ``handoff`` (engine/roles.py): a ``PrefillHandoff`` ends the request after its first token
+        with a ``KVHandoff`` output (call ``release_handoff`` once it was delivered); a
+        ``DecodeClaim`` starts it from a completed transfer.
         """
-        if handoff_from is not None and transfer_id is not None:
-            raise ValueError("a request is either handed off (prefill) or claimed from a transfer (decode)")
         ids = self.check_request(prompt_token_ids, params)
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
+        prefill = handoff if isinstance(handoff, PrefillHandoff) else None
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -295,29 +289,25 @@ class LLMEngine:
             priority=priority,
             arrival_seq=next(self._arrival),
             generator=gen,
-            handoff_from=handoff_from,
-            handoff_stream=handoff_stream,
-            handoff_sent=handoff_from or 0,
+            handoff=prefill,
+            handoff_sent=prefill.from_block if prefill else 0,
         )
         req.stream = RequestStream(self.tokenizer, req.prompt_token_ids, params)
         with self._lock:
             if request_id in self._live_ids:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
             self._live_ids.add(request_id)
-        if transfer_id is not None:
-            self._commands.put(("claim", (req, transfer_id, claimed)))
-        else:
-            self._commands.put(("add", req))
+        self._commands.put(Claim(req, handoff) if isinstance(handoff, DecodeClaim) else Add(req))
 
     def abort_request(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(Abort(request_id))
 
     # ---- prefill/decode handoffs (thread-safe; run at the next step or idle tick) --------------
     def _on_step_thread(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` at the next step or idle tick (the thread that owns the KV state); the
         future gives its result, or its ``HandoffError``."""
         fut: Future = Future()
-        self._commands.put(("call", (fn, fut)))
+        self._commands.put(Call(fn, fut))
         if self.wake is not None:
             self.wake()
         return fut
@@ -383,19 +373,19 @@ class LLMEngine:
     def _drain_commands(self, outputs: list[RequestOutput]) -> None:
         while True:
             try:
-                kind, arg = self._commands.get_nowait()
+                cmd: StepCommand = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                self._requests[arg.request_id] = arg
-                self._prompt_tokens += arg.num_prompt_tokens
-                self.scheduler.add(arg)
-            elif kind == "call":
-                self._run_call(*arg)
-            elif kind == "claim":
-                self._claim(*arg, outputs)
+            if isinstance(cmd, Add):
+                self._requests[cmd.request.request_id] = cmd.request
+                self._prompt_tokens += cmd.request.num_prompt_tokens
+                self.scheduler.add(cmd.request)
+            elif isinstance(cmd, Call):
+                self._run_call(cmd.fn, cmd.future)
+            elif isinstance(cmd, Claim):
+                self._claim(cmd.request, cmd.claim.transfer_id, cmd.claim.claimed, outputs)
             else:
-                req = self._requests.get(arg)
+                req = self._requests.get(cmd.request_id)
                 if req is not None and not req.is_finished:
                     self.scheduler.finish(req, "abort")
                     outputs.append(self._finish_output(req))
@@ -544,7 +534,7 @@ class LLMEngine:
             if saved is not None:
                 self._track_handoff_saves(full, saved)
         for s in sched.seqs:
-            if s.request.handoff_stream and not s.produces_token:
+            if s.request.handoff is not None and s.request.handoff.stream and not s.produces_token:
                 part = self._handoff_part(s.request)
                 if part is not None:
                     outputs.append(part)
@@ -558,7 +548,7 @@ class LLMEngine:
                 if m.first_token_time is None:
                     m.first_token_time = now
                 m.last_token_time = now
-                if req.handoff_from is not None:
+                if req.handoff is not None:
                     outputs.append(self._handoff(req, tok, lp, now))
                     continue
                 try:
@@ -577,7 +567,7 @@ class LLMEngine:
     def _track_handoff_saves(self, segments: list, saved: Future) -> None:
         """A handed-off request's blocks are released only after the cache node confirmed them too."""
         rids = {seg.request_id for seg in segments
-                if (r := self._requests.get(seg.request_id)) is not None and r.handoff_from is not None}
+                if (r := self._requests.get(seg.request_id)) is not None and r.handoff is not None}
         for rid in rids:
             name = f"cache-node:{id(saved)}"
             self.held.add_consumer(rid, name)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from kvmesh.engine.outputs import RequestMetrics
+from kvmesh.engine.roles import PrefillHandoff
 from kvmesh.engine.sampling import SamplingParams
 
 
@@ -42,12 +43,9 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
-    handoff_from: int | None = None
-    """Prefill role: after the first token, hand the KV of prompt blocks from this index on to a
-    decode engine (blocks are held, not freed) instead of generating further."""
-    handoff_stream: bool = False
-    """Prefill role: hand over each prompt block as soon as it is computed (partial handoffs
-    overlap the transfer with the prefill of later chunks), not all after the first token."""
+    handoff: PrefillHandoff | None = None
+    """Prefill role: after the first token, hand the KV of the prompt's blocks to a decode engine
+    (blocks are held, not freed) instead of generating further (engine/roles.py)."""
     handoff_sent: int = 0
     """Prefill role: prompt blocks before this index were already handed over in parts."""
     transferred: bool = False

@@ -27,11 +27,12 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.roles import Handoff
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.api import errors
 
@@ -46,6 +47,25 @@ class ServerState(enum.Enum):
     FAILED = "failed"
 
 
+class ServedEngine(Protocol):
+    """What the server drives: `LLMEngine`, or a test's fake. Every method but `wake` and the
+    submissions (`add_request`, `abort_request`: thread-safe, queued for the step) is called on
+    the engine's own thread only."""
+
+    wake: Callable[[], None] | None  # set by the server: a submission wakes an idle step loop
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                    priority: int = 0, arrival_time: float | None = None,
+                    handoff: Handoff | None = None) -> None: ...
+    def abort_request(self, request_id: str) -> None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def idle_tick(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def has_pending_commands(self) -> bool: ...
+    def has_timers(self) -> bool: ...
+    def stats(self) -> Any: ...
+
+
 @dataclass(frozen=True)
 class SeqSubmission:
     """One engine sequence to start."""
@@ -53,8 +73,8 @@ class SeqSubmission:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    options: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments of ``add_request`` (a KV handoff's ``handoff_from``, ``transfer_id``)."""
+    handoff: Handoff | None = None
+    """The sequence's role in a KV handoff (engine/roles.py), if any."""
 
 
 class RequestGroup:
@@ -125,7 +145,7 @@ class AsyncEngine:
         self.on_token_gap: Callable[[float, int], None] | None = None
         self.on_dispatch_lag: Callable[[float], None] | None = None
         self._load_callbacks: list[Callable[[], None]] = []
-        self.engine: Any = None
+        self.engine: Any = None  # a ServedEngine once loaded (Any: the server reads its config and tokenizer too)
         self.state = ServerState.LOADING
         self.failure: BaseException | None = None
         self.stats: Any = None  # latest EngineStats, replaced whole by the engine thread
@@ -221,7 +241,7 @@ class AsyncEngine:
         try:
             for s in seqs:
                 self.engine.add_request(s.request_id, s.prompt_token_ids, s.params,
-                                        priority=priority, arrival_time=arrival_time, **s.options)
+                                        priority=priority, arrival_time=arrival_time, handoff=s.handoff)
                 added.append(s.request_id)
         except BaseException:
             for rid in added:
@@ -277,7 +297,7 @@ class AsyncEngine:
             log.exception("engine step failed")
             loop.call_soon_threadsafe(self._on_engine_failure, e)
 
-    def _run(self, engine: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def _run(self, engine: ServedEngine, loop: asyncio.AbstractEventLoop) -> None:
         while not self._stop:
             if not engine.has_unfinished_requests():
                 if engine.has_pending_commands() or engine.has_timers():

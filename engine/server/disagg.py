@@ -30,6 +30,7 @@ from kvmesh.engine.server.cli import ROLES
 from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.server.generation import Prepared, Serving, engine_error
 from kvmesh.engine.api.protocol import KVTransferParams
+from kvmesh.engine.roles import DecodeClaim, PrefillHandoff
 from kvmesh.engine.server.streaming import EventStreamResponse, watch_disconnect
 
 log = logging.getLogger("kvmesh.server.disagg")
@@ -153,8 +154,7 @@ class DisaggServing:
             raise _err(f"reservation on decode engine {host}:{port} failed: {e}", 502, "decode_failed") from None
         t1 = time.perf_counter()
         try:
-            group = self.serving.submit(prep, arrival, {"handoff_from": res.hit_blocks,
-                                                        "handoff_stream": self.overlap})
+            group = self.serving.submit(prep, arrival, PrefillHandoff(res.hit_blocks, stream=self.overlap))
         except BaseException:
             await self.links.cancel(host, port, tid)
             raise
@@ -220,7 +220,7 @@ class DisaggServing:
         from kvmesh.engine.disagg.errors import TransferMismatch, UnknownTransfer
 
         claimed: Future = Future()
-        group = self.serving.submit(prep, arrival, {"transfer_id": kvp.transfer_id, "claimed": claimed})
+        group = self.serving.submit(prep, arrival, DecodeClaim(kvp.transfer_id, claimed))
         try:
             await asyncio.wait_for(asyncio.wrap_future(claimed), self.transfer_timeout_s)
         except TimeoutError:

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvmesh.engine.outputs import RequestOutput, TokenLogprob
+from kvmesh.engine.roles import Handoff
 from kvmesh.engine.api import errors, params
 from kvmesh.engine.server import responses
 from kvmesh.engine.server.async_engine import AsyncEngine, RequestGroup, SeqSubmission
@@ -141,9 +142,9 @@ class Serving:
         return out
 
     # ---- execution --------------------------------------------------------------------
-    def submit(self, prep: Prepared, arrival_time: float, options: dict[str, Any] | None = None) -> RequestGroup:
-        """Start every choice of ``prep``; ``options`` go to each ``add_request`` (KV handoffs)."""
-        seqs = [SeqSubmission(prep.seq_id(c.index), prep.prompts[c.prompt_index], c.params, dict(options or {}))
+    def submit(self, prep: Prepared, arrival_time: float, handoff: Handoff | None = None) -> RequestGroup:
+        """Start every choice of ``prep``, each with ``handoff`` as its role in a KV handoff."""
+        seqs = [SeqSubmission(prep.seq_id(c.index), prep.prompts[c.prompt_index], c.params, handoff)
                 for c in prep.choices]
         try:
             return self.aengine.submit(seqs, priority=prep.priority, arrival_time=arrival_time)

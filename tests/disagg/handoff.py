@@ -7,6 +7,7 @@ from concurrent.futures import Future
 
 from kvmesh.engine.disagg.prefill_side import DECODE
 from kvmesh.engine.sampling import SamplingParams
+from kvmesh.engine.roles import DecodeClaim, PrefillHandoff
 
 
 def _run_until(engine, pred, limit: int = 500):
@@ -22,7 +23,7 @@ def _run_until(engine, pred, limit: int = 500):
 
 
 def prefill(p, rid: str, prompt: list[int], params: SamplingParams, start: int):
-    p.add_request(rid, prompt, params, handoff_from=start)
+    p.add_request(rid, prompt, params, handoff=PrefillHandoff(start))
     outs = _run_until(p, lambda o: any(x.request_id == rid and x.finished for x in o))
     out = [x for x in outs if x.request_id == rid][-1]
     assert out.finish_reason == "transfer", out
@@ -36,7 +37,7 @@ def decode(d, tid: str, rid: str, prompt: list[int], params: SamplingParams, han
     d.idle_tick()
     fut.result(0)
     claimed: Future = Future()
-    d.add_request(rid, prompt, params, transfer_id=tid, claimed=claimed)
+    d.add_request(rid, prompt, params, handoff=DecodeClaim(tid, claimed))
     outs = _run_until(d, lambda o: any(x.request_id == rid and x.finished for x in o))
     assert claimed.done() and claimed.exception() is None
     return [t for x in outs if x.request_id == rid for t in x.new_token_ids]

@@ -9,12 +9,12 @@ greedy forward, so a wrong block, offset or first token shows up as a token diff
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvmesh.engine.disagg.decode_side import transfer_key
 from kvmesh.engine.disagg.errors import NoRoom, TooLarge, TransferMismatch, UnknownTransfer
 from kvmesh.engine.disagg.prefill_side import DECODE
 from kvmesh.engine.sampling import SamplingParams
+from kvmesh.engine.roles import DecodeClaim, PrefillHandoff
 
 from .handoff import handoff_once, prefill
 from ..engine.test_host_tier import BS, MAX_NEW, OTHER, PROMPTS, hf_greedy, loaded, model_dir, tiny_engine  # noqa: F401
@@ -116,7 +116,7 @@ def test_decode_checks_pushes_and_claims(model_dir, loaded):  # noqa: F811
     from concurrent.futures import Future
 
     early: Future = Future()
-    d.add_request("x", PROMPTS[0], _greedy(), transfer_id="t", claimed=early)  # not complete yet
+    d.add_request("x", PROMPTS[0], _greedy(), handoff=DecodeClaim("t", early))  # not complete yet
     outs = d.idle_tick()
     with pytest.raises(UnknownTransfer):
         early.result(0)
@@ -124,7 +124,7 @@ def test_decode_checks_pushes_and_claims(model_dir, loaded):  # noqa: F811
     d.fill_transfer("t", h.start, h.data, True, h.first)
     d.idle_tick()
     other: Future = Future()
-    d.add_request("y", PROMPTS[1], _greedy(), transfer_id="t", claimed=other)
+    d.add_request("y", PROMPTS[1], _greedy(), handoff=DecodeClaim("t", other))
     d.idle_tick()
     with pytest.raises(TransferMismatch):
         other.result(0)
@@ -148,7 +148,7 @@ def test_seeded_sampling_continues_the_same_random_stream(model_dir, loaded):  #
 
 
 def test_streamed_handoff_sends_blocks_as_chunks_complete(model_dir, loaded, reference):  # noqa: F811
-    """With handoff_stream the prefill engine outputs each step's completed prompt blocks as a part
+    """With a streamed PrefillHandoff the prefill engine outputs each step's completed prompt blocks as a part
     (in order, before the first token); the decode engine fills them as they come and the tokens
     are the same as with one push."""
     from concurrent.futures import Future
@@ -160,7 +160,7 @@ def test_streamed_handoff_sends_blocks_as_chunks_complete(model_dir, loaded, ref
     prompt = PROMPTS[1]  # 46 tokens: 12 blocks, the last one partial
     d.reserve_transfer("s", prompt, MAX_NEW)
     d.idle_tick()
-    p.add_request("r", prompt, _greedy(), handoff_from=0, handoff_stream=True)
+    p.add_request("r", prompt, _greedy(), handoff=PrefillHandoff(0, stream=True))
     outs = _run_until(p, lambda o: any(x.finished for x in o))
     parts = [o.handoff for o in outs if o.handoff is not None]
     assert [o.finished for o in outs if o.handoff is not None] == [False] * (len(parts) - 1) + [True]
@@ -174,7 +174,7 @@ def test_streamed_handoff_sends_blocks_as_chunks_complete(model_dir, loaded, ref
         d.idle_tick()
         fill.result(0)
     claimed: Future = Future()
-    d.add_request("x", prompt, _greedy(), transfer_id="s", claimed=claimed)
+    d.add_request("x", prompt, _greedy(), handoff=DecodeClaim("s", claimed))
     outs = _run_until(d, lambda o: any(x.finished for x in o))
     assert [t for o in outs for t in o.new_token_ids] == reference[1]
     p.release_handoff("r", DECODE)

@@ -35,6 +35,7 @@ from kvmesh.engine.disagg.errors import HandoffError
 from kvmesh.engine.disagg.prefill_side import DECODE
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampling import SamplingParams
+from kvmesh.engine.roles import DecodeClaim, PrefillHandoff
 
 BS = 4
 TIE = 1e-4
@@ -258,7 +259,7 @@ def run(p: LLMEngine, d: LLMEngine, ref: Reference, w: Workload) -> Report:
                 r.stage = "prefilling"
                 erid = f"p-{r.rid}"
                 by_engine_rid[erid] = r
-                p.add_request(erid, r.prompt, params(r), handoff_from=fut.result().hit_blocks)
+                p.add_request(erid, r.prompt, params(r), handoff=PrefillHandoff(fut.result().hit_blocks))
                 if r.give_up:
                     rep.given_up += 1
                     p.abort_request(erid)
@@ -272,7 +273,7 @@ def run(p: LLMEngine, d: LLMEngine, ref: Reference, w: Workload) -> Report:
                 r.stage = "decoding"
                 erid = f"d-{r.rid}"
                 by_engine_rid[erid] = r
-                d.add_request(erid, r.prompt, params(r), transfer_id=r.tid, claimed=Future())
+                d.add_request(erid, r.prompt, params(r), handoff=DecodeClaim(r.tid, Future()))
         if not any(e.has_unfinished_requests() for e in (p, d)) and (p.waiting_on_transfers or
                                                                      d.waiting_on_transfers):
             time.sleep(0.002)  # a cache-node fetch is in flight

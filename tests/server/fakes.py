@@ -25,6 +25,7 @@ _OFFSET = 1  # token id = byte + 1
 
 class FakeTokenizer:
     eos_token_ids = (EOS,)
+    fingerprint = "fake-bytes-tokenizer"  # what /kv/info reports and a router compares
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [b + _OFFSET for b in text.encode()]
@@ -87,7 +88,9 @@ class FakeEngine:
         self.step_calls = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None, handoff: object = None) -> None:
+        if handoff is not None:
+            raise ValueError("the fake engine takes no part in KV handoffs")
         params.validate()
         if not prompt_token_ids:
             raise EmptyPromptError("the prompt is empty; send at least one token")
