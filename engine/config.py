@@ -1,25 +1,40 @@
-"""Engine configuration: one dataclass shared by the CLI, the server and tests."""
+"""Engine configuration: one dataclass shared by the CLI, the server and tests.
+
+Imported when the `kvmesh` parser is built (the fields declare `kvmesh serve`'s options), so
+torch is imported only by the methods that need it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from typing import TYPE_CHECKING
+
+from kvmesh.engine.util.cliargs import parse_size
+from kvmesh.engine.util.setting import setting
+
+# The option groups of `kvmesh serve --help` (the settings below declare their flags).
+MODEL, KV, SERVER = "model", "KV cache and batching", "server"
 
 
 class ConfigError(ValueError):
     """An engine setting is invalid or impossible on this machine."""
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     try:
-        return _DTYPES[name.lower()]
+        return getattr(torch, _DTYPES[name.lower()])
     except KeyError:
         raise ConfigError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16") from None
 
@@ -48,31 +63,58 @@ class EngineConfig:
     it never needs another block.
     """
 
-    model: str = "default"
-    dtype: str = "bfloat16"
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_bytes: int | None = None
-    kv_cache_memory_fraction: float = 0.85
-    num_kv_blocks: int | None = None  # overrides the byte budget (tests)
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"
+    model: str = "default"  # the CLI's --model/--model-path/--config resolve to this (server/cli.py)
+    dtype: str = setting("bfloat16", "--dtype", group=MODEL,
+                         help="float32, bfloat16 or float16 (default: %(default)s)")
+    device: str = setting("auto", "--device", group=MODEL, help="auto, cpu or cuda[:N] (default: %(default)s)")
+    block_size: int = setting(16, "--block-size", group=KV, type=int,
+                              help="tokens per KV block (default: %(default)s)")
+    kv_cache_bytes: int | None = setting(
+        None, "--kv-cache-bytes", group=KV, type=parse_size, metavar="SIZE",
+        help="KV memory budget, e.g. 2GiB (default: a fraction of free GPU memory; 2GiB on CPU)")
+    kv_cache_memory_fraction: float = setting(
+        0.85, "--kv-cache-memory-fraction", group=KV, type=float,
+        help="share of free GPU memory for KV when --kv-cache-bytes is not given")
+    num_kv_blocks: int | None = setting(None, "--num-kv-blocks", group=KV, type=int,
+                                        help="exact KV block count (overrides the budget)")
+    max_num_seqs: int = setting(128, "--max-num-seqs", group=KV, type=int,
+                                help="most requests running at once (default: %(default)s)")
+    max_num_batched_tokens: int = setting(2048, "--max-num-batched-tokens", group=KV, type=int,
+                                          help="token budget of one engine step (default: %(default)s)")
+    max_model_len: int | None = setting(None, "--max-model-len", group=MODEL, type=int,
+                                        help="longest prompt + completion in tokens (default: the model's)")
+    enable_prefix_caching: bool = setting(True, "--no-prefix-caching", group=KV, action="store_false",
+                                          help="disable prefix caching")
+    enable_chunked_prefill: bool = setting(True, "--no-chunked-prefill", group=KV, action="store_false",
+                                           help="disable chunked prefill")
+    attention_backend: str = setting("auto", "--attention-backend", group=MODEL,
+                                     choices=("auto", "torch", "triton"), help="attention kernels (default: %(default)s)")
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     cache_salt: str = ""
-    num_threads: int | None = None
-    seed: int = 0
-    cpu_kv_bytes: int = 0
-    cache_node: str | None = None
-    cache_node_timeout: float = 5.0
-    kv_transfer_timeout: float = 30.0
-    kv_transfer_reserve_tokens: int = 4096
+    num_threads: int | None = setting(None, "--num-threads", group=MODEL, type=int,
+                                      help="CPU threads for the forward pass")
+    seed: int = setting(0, "--seed", group=MODEL, type=int, help="engine seed for unseeded sampling")
+    cpu_kv_bytes: int = setting(
+        0, "--cpu-kv-bytes", group=KV, type=parse_size, metavar="SIZE",
+        help="host KV tier, e.g. 8GiB: blocks evicted from the KV pool are kept in host memory and loaded "
+             "back on a prefix hit (default: off)")
+    cache_node: str | None = None  # the CLI's --cache-node or --cache-service (server/cli.py)
+    cache_node_timeout: float = setting(
+        5.0, "--cache-node-timeout", group=KV, type=float, metavar="SECONDS",
+        help="bound on one cache-node transfer; past it the blocks are recomputed (default: %(default)s)")
+    kv_transfer_timeout: float = setting(
+        30.0, "--kv-transfer-timeout", group=SERVER, type=float, metavar="SECONDS",
+        help="bound on one prefill->decode handoff: a reservation waiting for its KV or for its request, "
+             "and held prefill blocks waiting for confirmation (default: %(default)s)")
+    kv_transfer_reserve_tokens: int = setting(
+        4096, "--kv-transfer-reserve-tokens", group=SERVER, type=int, metavar="N",
+        help="decode role: blocks reserved for a transferred request cover its prompt and up to N of its "
+             "max_tokens (0: all of them); within N it never needs another block (default: %(default)s)")
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dev = torch.device(self.device)

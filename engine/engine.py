@@ -36,7 +36,8 @@ from kvmesh.engine.model.llama import LlamaModel
 from kvmesh.engine.model.loader import LoadedModel, load_model
 from kvmesh.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from kvmesh.engine.request import Request, RequestStatus
-from kvmesh.engine.roles import Abort, Add, Call, Claim, DecodeClaim, Handoff, PrefillHandoff, StepCommand
+from kvmesh.engine.roles import DecodeClaim, Handoff, PrefillHandoff
+from kvmesh.engine.step_commands import Abort, Add, Call, Claim, StepCommand
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.scheduler import Scheduler

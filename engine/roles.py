@@ -1,21 +1,18 @@
-"""What a request's role in a prefill/decode handoff is, and the commands the step thread runs.
+"""What a request's role in a prefill/decode handoff is.
 
 `LLMEngine.add_request` takes at most one `Handoff`: a `PrefillHandoff` (compute the prompt, then
 hand its KV to a decode engine instead of generating) or a `DecodeClaim` (the prompt's KV and
-first token arrived by transfer; start from there). Every other thread reaches the engine's
-state only through a `StepCommand` queued for the step thread (the one owner of the KV pool),
-run in arrival order at the next step or idle tick.
+first token arrived by transfer; start from there).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import Union
 
-if TYPE_CHECKING:
-    from kvmesh.engine.request import Request
+ROLES = ("both", "prefill", "decode")
+"""An engine server's role: both (colocated), or one side of prefill/decode handoffs."""
 
 
 @dataclass(frozen=True)
@@ -43,30 +40,3 @@ class DecodeClaim:
 
 
 Handoff = Union[PrefillHandoff, DecodeClaim]
-
-
-@dataclass(frozen=True)
-class Add:
-    request: Request
-
-
-@dataclass(frozen=True)
-class Claim:
-    request: Request
-    claim: DecodeClaim
-
-
-@dataclass(frozen=True)
-class Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class Call:
-    """Run ``fn`` on the step thread; ``future`` gets its result or exception (never the step's)."""
-
-    fn: Callable[[], Any]
-    future: Future
-
-
-StepCommand = Union[Add, Claim, Abort, Call]

@@ -26,11 +26,10 @@ from starlette.responses import JSONResponse, Response
 
 from kvmesh.engine.api import errors
 from kvmesh.engine.server.async_engine import AsyncEngine
-from kvmesh.engine.server.cli import ROLES
 from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.server.generation import Prepared, Serving, engine_error
 from kvmesh.engine.api.protocol import KVTransferParams
-from kvmesh.engine.roles import DecodeClaim, PrefillHandoff
+from kvmesh.engine.roles import ROLES, DecodeClaim, PrefillHandoff
 from kvmesh.engine.server.streaming import EventStreamResponse, watch_disconnect
 
 log = logging.getLogger("kvmesh.server.disagg")

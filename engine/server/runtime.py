@@ -23,47 +23,20 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
-from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES
-from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.kv.event_publisher import KVEventPublisher, KVEventsBindError
 from kvmesh.engine.server.app import ServerApp
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
 from kvmesh.engine.server.drain import Drainer
+from kvmesh.engine.server.settings import ServeSettings
 
 log = logging.getLogger("kvmesh.server")
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-@dataclass
-class ServeSettings:
-    """Everything `kvmesh serve` needs besides the engine's own settings."""
-
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_names: list[str] = field(default_factory=list)
-    max_waiting_requests: int = 1024
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    drain_timeout_s: float = 30.0
-    log_level: str = "info"
-    access_log: bool = False
-    timeout_keep_alive_s: int = 5
-    kv_events_port: int = 0
-    """PUB port of the KV event stream (replay on the next port); 0: no stream."""
-    kv_events_host: str = "127.0.0.1"
-    role: str = "both"
-    """both: colocated; prefill/decode: one side of a KV handoff (docs/disagg.md)."""
-    kv_transfer_port: int = 0
-    """Decode role: UCX port for incoming KV (0: any free port, reported by /kv/info)."""
-    kv_transfer_overlap: bool = True
-    """Prefill role: push prompt blocks while later chunks are computed (docs/disagg.md)."""
 
 
 class DrainingServer(uvicorn.Server):

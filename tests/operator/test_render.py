@@ -314,6 +314,6 @@ def test_engines_drain_within_their_grace_period():
         args = argv(objs, c)
         pod = deployment(objs, c)["spec"]["template"]["spec"]
         assert pod["terminationGracePeriodSeconds"] == grace
-        timeout = parser.parse_args(args[2:]).drain_timeout
+        timeout = parser.parse_args(args[2:]).drain_timeout_s  # the ServeSettings field the flag sets
         assert timeout == grace - r.DRAIN_MARGIN_S  # aborted leftovers still finish before SIGKILL
     assert "--drain-timeout" not in argv(objs, "router") + argv(objs, "cache")

@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 
 from kvmesh.engine.server.app import ServerApp
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
-from kvmesh.engine.server.runtime import ServeSettings, build_server
+from kvmesh.engine.server.runtime import build_server
+from kvmesh.engine.server.settings import ServeSettings
 
 from .fakes import FakeEngine
 

@@ -11,9 +11,11 @@ import pytest
 
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.server import cli
+from kvmesh.engine.util.cliargs import parse_size
 from kvmesh.engine.server.async_engine import AsyncEngine, SeqSubmission, ServerState, retry_after_seconds
 from kvmesh.engine.api.errors import APIError
-from kvmesh.engine.server.runtime import ServeSettings, build_server
+from kvmesh.engine.server.runtime import build_server
+from kvmesh.engine.server.settings import ServeSettings
 
 from .fakes import FakeEngine
 
@@ -24,13 +26,13 @@ from .fakes import FakeEngine
                                            ("8Gi", 8 << 30), ("64M", 64_000_000), ("1e9", 10**9),
                                            ("0.5Ki", 512), ("2Pi", 2 << 50), ("1E", 10**18)])
 def test_parse_size(text, expected):
-    assert cli.parse_size(text) == expected
+    assert parse_size(text) == expected
 
 
 @pytest.mark.parametrize("text", ["", "abc", "5 parsecs", "0", "-1GiB"])
 def test_parse_size_rejects(text):
     with pytest.raises(argparse.ArgumentTypeError):
-        cli.parse_size(text)
+        parse_size(text)
 
 
 def _parse(*argv: str) -> argparse.Namespace:
