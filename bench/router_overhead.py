@@ -7,6 +7,9 @@
    holding 2 engines x 4096 blocks, run the policy. Prompt sizes 256, 1024, 4096 tokens.
 3. Added latency: the same tiny request direct to a fake engine and through the router
    (round-robin and cache-aware with a real tokenizer), alternating, p50 and p99.
+4. Streamed relay: 256-event streams (one event every 2 ms, so each is its own upstream read)
+   through the round-robin router: the router thread's CPU time per relayed chunk, which is
+   what per-chunk work on the hot path (e.g. the end-to-end TTFT/TPOT clock) adds to.
 
   .venv/bin/python bench/router_overhead.py          (run from outside the repository root)
 """
@@ -25,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.router.fak
 
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 
 from kvmesh.engine.kv.events import KVSnapshot  # noqa: E402
 from kvmesh.engine.router.app import RouterApp, RouterSettings  # noqa: E402
@@ -32,7 +36,7 @@ from kvmesh.engine.router.cli import load_tokenizer  # noqa: E402
 from kvmesh.engine.router.index import PrefixIndex  # noqa: E402
 from kvmesh.engine.router.policies import Endpoint, RouteRequest, build_policy  # noqa: E402
 from kvmesh.engine.router.prompt import CHAT, analyze  # noqa: E402
-from tests.router.fakes import EXTRA, FakeEngine, ServerThread  # noqa: E402
+from tests.router.fakes import EXTRA, Behavior, FakeEngine, ServerThread  # noqa: E402
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -117,22 +121,61 @@ def bench_added_latency(engine_url: str, router_url: str, n: int) -> dict[str, d
             "added_p99_ms": round(r["p99_ms"] - d["p99_ms"], 3)}
 
 
+def thread_cpu_s(native_id: int) -> float:
+    for t in psutil.Process().threads():
+        if t.id == native_id:
+            return t.user_time + t.system_time
+    raise LookupError(f"no thread {native_id}")
+
+
+def bench_stream(engine_url: str, router: ServerThread, n: int, chunks: int) -> dict[str, object]:
+    """Streams of ``chunks`` paced events (so each is its own upstream read) through the router:
+    the router thread's CPU time per relayed chunk, and the wall time per stream."""
+    body = {"prompt": "hi", "max_tokens": chunks, "stream": True}
+    walls, cpu, relayed = [], 0.0, 0
+    with httpx.Client(timeout=60) as c:
+        for i in range(n + 2):
+            before = thread_cpu_s(router.thread.native_id)
+            t = time.perf_counter()
+            got = 0
+            with c.stream("POST", router.url + "/v1/completions", json=body) as r:
+                for part in r.iter_raw():
+                    got += part.count(b"\n\n")
+            if i >= 2:
+                walls.append(time.perf_counter() - t)
+                cpu += thread_cpu_s(router.thread.native_id) - before
+                relayed += got
+    return {"chunks_per_stream": chunks, "streams": n, "wall": summary(walls),
+            "router_cpu_us_per_chunk": round(cpu / relayed * 1e6, 2)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--stream-requests", type=int, default=20)
+    ap.add_argument("--only-stream", action="store_true", help="run only section 4")
     args = ap.parse_args()
-    engine = ServerThread(FakeEngine("e")).start()
-    results: dict[str, object] = {"upstream_client": asyncio.run(bench_clients(engine.url, args.requests))}
-    tokenizer = load_tokenizer("default")
-    results["decision_p50"] = bench_decision(tokenizer, 200)
-    for policy in ("round-robin", "cache-aware"):
-        app = RouterApp(RouterSettings(policy=policy, engines=(engine.url,)), tokenizer)
-        router = ServerThread(app).start()
-        try:
-            results[f"added_latency_{policy}"] = bench_added_latency(engine.url, router.url, args.requests)
-        finally:
-            router.stop()
-    engine.stop()
+    results: dict[str, object] = {}
+    if not args.only_stream:
+        engine = ServerThread(FakeEngine("e")).start()
+        results["upstream_client"] = asyncio.run(bench_clients(engine.url, args.requests))
+        tokenizer = load_tokenizer("default")
+        results["decision_p50"] = bench_decision(tokenizer, 200)
+        for policy in ("round-robin", "cache-aware"):
+            app = RouterApp(RouterSettings(policy=policy, engines=(engine.url,)), tokenizer)
+            router = ServerThread(app).start()
+            try:
+                results[f"added_latency_{policy}"] = bench_added_latency(engine.url, router.url, args.requests)
+            finally:
+                router.stop()
+        engine.stop()
+    streamer = ServerThread(FakeEngine("s", Behavior(chunks=256, chunk_interval_s=0.002))).start()
+    router = ServerThread(RouterApp(RouterSettings(policy="round-robin", engines=(streamer.url,)))).start()
+    try:
+        results["streamed_relay_round-robin"] = bench_stream(streamer.url, router, args.stream_requests, 256)
+    finally:
+        router.stop()
+        streamer.stop()
     print(json.dumps(results, indent=2))
     return 0
 

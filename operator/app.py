@@ -77,6 +77,10 @@ def production_autoscaler(reconciler: Reconciler, opts: OperatorOptions,
         return [(PodInfo(p["name"], p["endpoint"], None), p["annotations"][DRAIN_ANNOTATION])
                 for p in kube.pool_pods(ns, name, pool, ENGINE_PORT) if DRAIN_ANNOTATION in p["annotations"]]
 
+    def router_readiness(ns: str, name: str) -> list[tuple[str, dict | None]]:
+        return [(p["name"], engine_admin.ready_report(p["endpoint"]))
+                for p in kube.pool_pods(ns, name, "router", ENGINE_PORT)]
+
     def apply_replicas(ns: str, name: str) -> None:
         _run(reconciler, ns, name)
 
@@ -93,6 +97,9 @@ def production_autoscaler(reconciler: Reconciler, opts: OperatorOptions,
         patch_status=kube.patch_status,
         apply_replicas=apply_replicas,
         event=kube.emit_event,
+        router_readiness=router_readiness,
+        router_endpoints=lambda ns, name: tuple(
+            p["endpoint"] for p in kube.ready_pool_pods(ns, name, "router", ENGINE_PORT)),
     ), metrics=metrics)
 
 

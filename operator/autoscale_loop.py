@@ -23,6 +23,7 @@ from .autoscaler import AutoscalerState, Decision, MetricsWindow, PoolSample, au
     effective_replicas
 from .metrics import OperatorMetrics
 from .metrics_source import MetricsSource, MetricsSourceError, PoolTarget
+from .routing_status import ROUTING, routing_condition
 from .scaling import PodInfo, PoolScaler
 
 log = logging.getLogger("kvmesh.operator")
@@ -43,6 +44,10 @@ class AutoscaleIO:
     patch_status: Callable[[str, str, Mapping[str, Any]], None]  # merge patch of .status
     apply_replicas: Callable[[str, str], None]  # (ns, name): a reconcile pass
     event: Callable[[Mapping[str, Any], str, str], None]  # (object, reason, message)
+    # (ns, name) -> the ready router pods' host:port: the end-to-end latency of P/D deployments
+    router_endpoints: Callable[[str, str], tuple[str, ...]] = lambda ns, name: ()
+    # (ns, name) -> each router pod's (name, /ready body or None): the CacheAwareRouting condition
+    router_readiness: Callable[[str, str], list[tuple[str, Mapping[str, Any] | None]]] = lambda ns, name: []
 
 
 def rfc3339(unix: float) -> str:
@@ -139,10 +144,12 @@ class AutoscaleRunner:
         spec = s.parse_spec(obj.get("spec") or {})
         tracked = self._tracked.setdefault((ns, name), _Tracked())
         window_s = spec.autoscaling.metrics_window_seconds
+        # Disaggregated, latency is the router's end to end (metrics_source.latency_histograms).
+        routers = () if spec.colocated else self.io.router_endpoints(ns, name)
         for pool in autoscaled_pools(spec):
             pods = self.io.ready_pods(ns, name, pool)
             target = PoolTarget(ns, name, pool, tuple(p.endpoint for p in pods), window_s,
-                                spec.slo.percentile)
+                                spec.slo.percentile, disaggregated=not spec.colocated, routers=routers)
             try:
                 sample = self.source.sample(target, now)
             except MetricsSourceError as exc:
@@ -176,6 +183,12 @@ class AutoscaleRunner:
             if self.metrics is not None:
                 self.metrics.record_step(ns, name, pool, outcome)
         status = self.status(obj, decisions, tracked, now)
+        routing = routing_condition(
+            spec.router.policy or "", self.io.router_readiness(ns, name) if spec.router.replicas else [],
+            next((c for c in (obj.get("status") or {}).get("conditions") or () if c.get("type") == ROUTING), None),
+            rfc3339(now), int(meta.get("generation", 0)))
+        status["conditions"] = [c for c in status["conditions"] if c.get("type") != ROUTING] + (
+            [routing] if routing else [])
         if _changed(obj.get("status") or {}, status):
             self.io.patch_status(ns, name, status)
         return decisions

@@ -11,6 +11,14 @@ Policy (docs/operator.md, "Autoscaling", has the formulas):
   queued prefill tokens per replica vs `Policy.queued_prefill_tokens_per_replica`)
   and latency signals (TTFT / TPOT at the SLO percentile vs `slo.ttftMs` /
   `slo.tpotMs`); every signal is a ratio observed / target;
+- which signal drives which pool: colocated, the one pool (`decode`, role both)
+  has all four, its latencies from its own engines. Disaggregated, the prefill
+  pool scales on queued prefill tokens and TTFT, the decode pool on KV occupancy
+  and TPOT, and both latencies are the router's end-to-end percentiles (where
+  the client waits: a decode engine's own TTFT starts at stage 2), with the
+  pool's own engines standing in while the router has none; the metric sources
+  choose (metrics_source.latency_histograms), `PoolSample.ttft_from` /
+  `tpot_from` record it and the decision's message names it;
 - any ratio above 1 + tolerance asks for ceil(pods * ratio) replicas (at most
   doubling per step); a scale-down needs every latency signal within its SLO
   and every capacity ratio below 1 - tolerance, asks for ceil(pods * ratio),
@@ -65,6 +73,9 @@ class PoolSample:
     queued_prefill_tokens: float | None = None  # sum over the pods
     ttft_s: float | None = None
     tpot_s: float | None = None
+    # Whose histograms the latencies are: "engines" (the pool's own) or "router" (end to end).
+    ttft_from: str = "engines"
+    tpot_from: str = "engines"
 
 
 @dataclass(frozen=True)
@@ -157,6 +168,9 @@ def _signals(spec: s.InferenceSpec, component: str, samples: tuple[PoolSample, .
         return sum(vals) / len(vals) if vals else None
 
     latest = samples[-1]
+
+    def origin(who: str) -> str:
+        return " end to end" if who == "router" else ""
     if decode_like:
         kv = mean([x.kv_occupancy for x in samples])
         target = spec.autoscaling.kv_occupancy_target
@@ -165,7 +179,7 @@ def _signals(spec: s.InferenceSpec, component: str, samples: tuple[PoolSample, .
         if spec.slo.tpot_ms and latest.tpot_s is not None:
             ms = latest.tpot_s * 1000
             out.append(Signal("tpot", ms / spec.slo.tpot_ms, True,
-                              f"TPOT {pct} {ms:.0f}ms / SLO {spec.slo.tpot_ms}ms"))
+                              f"TPOT{origin(latest.tpot_from)} {pct} {ms:.0f}ms / SLO {spec.slo.tpot_ms}ms"))
     if prefill_like:
         queued = mean([x.queued_prefill_tokens for x in samples])
         if queued is not None and latest.pods > 0:
@@ -176,7 +190,7 @@ def _signals(spec: s.InferenceSpec, component: str, samples: tuple[PoolSample, .
         if spec.slo.ttft_ms and latest.ttft_s is not None:
             ms = latest.ttft_s * 1000
             out.append(Signal("ttft", ms / spec.slo.ttft_ms, True,
-                              f"TTFT {pct} {ms:.0f}ms / SLO {spec.slo.ttft_ms}ms"))
+                              f"TTFT{origin(latest.ttft_from)} {pct} {ms:.0f}ms / SLO {spec.slo.ttft_ms}ms"))
     return out
 
 

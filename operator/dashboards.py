@@ -10,6 +10,14 @@ The SLO thresholds are template variables whose options are the latency histogra
 bounds, spelled as the exposition spells `le`: attainment is the share of observations at or
 below the SLO, and a classic histogram knows that exactly only at a bucket bound.
 
+TTFT and TPOT are shown twice: per pool as each engine measures it, and end to end as the router
+measures it (engine/router/slo.py: from the router having the request to the tokens it sends,
+both stages of a disaggregated request included). For a disaggregated deployment the end-to-end
+series is the one that matters (a decode engine's TTFT starts at stage 2, near zero) and the
+one the autoscaler scales on (metrics_source.latency_histograms); colocated, the two agree within
+the routing time. The router's TTFT series is its streamed requests' (`stream="true"`): a body
+that is not streamed is the whole response, no first-token time.
+
 The autoscaler's panels read the operator's own metrics (operator/metrics.py), which carry the
 same namespace / inference_deployment / component labels as exported (the chart's operator
 PodMonitor honors them).
@@ -26,7 +34,13 @@ from typing import Any
 
 from prometheus_client.utils import floatToGoString
 
-from kvmesh.engine.util.metrics import REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS
+from kvmesh.engine.util.metrics import (
+    REQUEST_LATENCY_BUCKETS,
+    ROUTER_TPOT,
+    ROUTER_TTFT,
+    STREAM_LABEL,
+    TOKEN_LATENCY_BUCKETS,
+)
 
 DEPLOYMENT_LABEL = "inference_deployment"
 COMPONENT_LABEL = "component"
@@ -38,6 +52,7 @@ _POOL = f'namespace="$namespace",{DEPLOYMENT_LABEL}="$deployment"'
 ENGINES = f'{_POOL},{COMPONENT_LABEL}=~"prefill|decode"'
 ROUTER = f'{_POOL},{COMPONENT_LABEL}="router"'
 CACHE = f'{_POOL},{COMPONENT_LABEL}="cache"'
+ROUTER_STREAMED = f'{ROUTER},{STREAM_LABEL}="true"'  # first-token times (module doc)
 
 TTFT = "kvmesh_time_to_first_token_seconds"
 TPOT = "kvmesh_time_per_output_token_seconds"
@@ -70,6 +85,12 @@ def observed(hist: str) -> str:
 
 def attainment(hist: str, slo_var: str) -> str:
     return f"{within_slo(hist, slo_var)} / {observed(hist)}"
+
+
+def router_attainment(hist: str, sel: str, slo_var: str) -> str:
+    """Share of the router's end-to-end observations at or below the SLO."""
+    within = f'{sel},le="${slo_var}"'
+    return f"sum({rate(hist + '_bucket', within)}) / sum({rate(hist + '_count', sel)})"
 
 
 # A request meets both SLOs unless it misses TTFT or misses TPOT, so the rate of requests within
@@ -111,15 +132,24 @@ class Panel:
 
 PANELS: tuple[Panel, ...] = (
     Panel("TTFT at the SLO percentile", "s", (
+        Query(quantile(ROUTER_TTFT, ROUTER_STREAMED), "end to end (router)"),
         Query(quantile(TTFT, ENGINES, "component"), "{{component}}"),
         Query(quantile("kvmesh_router_upstream_ttft_seconds", ROUTER), "router (first byte upstream)"),
         Query("vector($ttft_slo)", "SLO", slo=True)),
-        "Time to first token, per pool, at the percentile the SLO names.", slo_panel=True),
+        "Time to first token at the percentile the SLO names: end to end as the client gets it "
+        "(streamed requests; both stages of a disaggregated one: what its prefill pool scales on), and "
+        "per pool as each engine measures it (a disaggregated decode engine's starts at stage 2).",
+        slo_panel=True),
     Panel("TPOT at the SLO percentile", "s", (
+        Query(quantile(ROUTER_TPOT, ROUTER), "end to end (router)"),
         Query(quantile(TPOT, ENGINES, "component"), "{{component}}"),
         Query("vector($tpot_slo)", "SLO", slo=True)),
-        "Mean time per output token after the first, per finished request.", slo_panel=True),
+        "Mean time per output token after the first, per finished request: end to end as the client "
+        "gets it (streamed requests: what a disaggregated decode pool scales on), and per pool.",
+        slo_panel=True),
     Panel("SLO attainment", "percentunit", (
+        Query(router_attainment(ROUTER_TTFT, ROUTER_STREAMED, "ttft_slo"), "TTFT end to end (router)"),
+        Query(router_attainment(ROUTER_TPOT, ROUTER, "tpot_slo"), "TPOT end to end (router)"),
         Query(attainment(TTFT, "ttft_slo"), "TTFT {{component}}"),
         Query(attainment(TPOT, "tpot_slo"), "TPOT {{component}}"),
         Query("vector($percentile)", "target", slo=True)),

@@ -1,4 +1,5 @@
-"""The operator's calls to an engine's drain endpoint (POST/GET/DELETE /admin/drain)."""
+"""The operator's calls to its pods: an engine's drain endpoint (POST/GET/DELETE /admin/drain)
+and a router's readiness report (GET /ready)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,13 @@ def is_draining(endpoint: str) -> bool | None:
     """Whether the engine drains now; None when it does not answer."""
     got = _drain_status(endpoint)
     return None if got is None else bool(got.get("draining"))
+
+
+def ready_report(endpoint: str) -> dict | None:
+    """The JSON body of GET /ready (answered with 200 or 503); None when nothing usable answers."""
+    try:
+        r = httpx.get(f"http://{endpoint}/ready", timeout=TIMEOUT_S)
+        body = r.json()
+        return body if isinstance(body, dict) else None
+    except (httpx.HTTPError, ValueError):
+        return None

@@ -10,10 +10,12 @@ text of a token range does not depend on tokens far outside it) so that
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
+from functools import cached_property
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,13 @@ class ChatTemplateError(ValueError):
 
 class TokenizerLoadError(RuntimeError):
     """A tokenizer could not be built from the given file or directory."""
+
+
+# What `export_files` ships and `from_files` accepts: the text files `save_pretrained` writes
+# for a fast tokenizer (tokenizer.json holds the whole Rust tokenizer; the rest are its config,
+# special tokens and chat template). Names only, no directories.
+_EXPORT_SUFFIXES = (".json", ".jinja", ".txt")
+MAX_EXPORT_BYTES = 64 << 20
 
 
 def _gguf_tokenizer_cache(gguf: Path) -> Path:
@@ -206,6 +215,51 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(self.hf.chat_template)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """sha256 (hex) of everything that decides a prompt's token ids: the Rust tokenizer's
+        whole definition, the chat template and the BOS id. Equal fingerprints: equal ids for
+        every completion prompt and every chat, so equal block hashes (a router and an engine
+        compare them before routing by prefix)."""
+        h = hashlib.sha256()
+        for part in (self._backend.to_str(), self.hf.chat_template or "", str(self.bos_token_id)):
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()
+
+    # ---- shipping a tokenizer to a router (GET /kv/tokenizer) ---------------------------------------------------
+
+    def export_files(self) -> dict[str, str]:
+        """The tokenizer as ``{file name: text}``, what `from_files` rebuilds it from."""
+        with tempfile.TemporaryDirectory(prefix="kvmesh-tok-") as d:
+            self.hf.save_pretrained(d)
+            return {p.name: p.read_text() for p in sorted(Path(d).iterdir())
+                    if p.is_file() and p.suffix in _EXPORT_SUFFIXES}
+
+    @classmethod
+    def from_files(cls, files: Mapping[str, str], eos_token_ids: Iterable[int] = ()) -> Tokenizer:
+        """Rebuild a tokenizer that `export_files` wrote (weights never needed). Raises
+        TokenizerLoadError for a malformed set: a name with a path in it or another suffix, too
+        many bytes, or files transformers cannot load."""
+        total = 0
+        for name, text in files.items():
+            if (not isinstance(name, str) or not isinstance(text, str) or Path(name).name != name
+                    or name.startswith(".") or Path(name).suffix not in _EXPORT_SUFFIXES):
+                raise TokenizerLoadError(f"tokenizer file {name!r}: expected a plain file name ending in "
+                                         f"{', '.join(_EXPORT_SUFFIXES)} with text content")
+            total += len(text)
+        if total > MAX_EXPORT_BYTES:
+            raise TokenizerLoadError(f"tokenizer files hold {total} bytes, more than {MAX_EXPORT_BYTES}")
+        with tempfile.TemporaryDirectory(prefix="kvmesh-tok-") as d:
+            for name, text in files.items():
+                (Path(d) / name).write_text(text)
+            try:
+                return cls.from_dir(d, [int(e) for e in eos_token_ids])
+            except TokenizerLoadError:
+                raise
+            except Exception as e:  # noqa: BLE001 - files off the network: transformers fails in many ways
+                raise TokenizerLoadError(f"the tokenizer files do not load: {type(e).__name__}: {e}") from None
 
     # ---- text <-> ids ------------------------------------------------------------------------------------------
 

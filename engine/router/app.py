@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -31,6 +32,8 @@ from kvmesh.engine.router.policies import LoadModel, Policy, RouteRequest, build
 from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, PromptInfo, analyze, matched_tokens
 from kvmesh.engine.router.proxy import all_engines_down
 from kvmesh.engine.router.sessions import SessionTable, session_key
+from kvmesh.engine.router.slo import ClientClock
+from kvmesh.engine.router.tokenizer_fetch import TokenizerFetchError, fetch_tokenizer
 from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvmesh.engine.api import errors
 from kvmesh.engine.api.errors import APIError
@@ -88,7 +91,12 @@ class RouterApp:
                  prefill_fleet_factory: Callable[[aiohttp.ClientSession], Fleet] | None = None) -> None:
         self.settings = settings
         self.policy = build_policy(settings.policy, settings.load)
-        self.tokenizer = tokenizer if uses_prefix(settings.policy) else None
+        # A prefix policy routes by prefix only with the engines' tokenizer: given here (read from
+        # the model), else fetched from an engine at startup; /ready is 503 until it has one.
+        self.needs_tokenizer = uses_prefix(settings.policy)
+        self.tokenizer = tokenizer if self.needs_tokenizer else None
+        self.tokenizer_problem: str | None = None
+        self._tokenizer_task: asyncio.Task | None = None
         self.sessions = SessionTable(idle_s=settings.session_idle_s)
         self._fleet_factory = fleet_factory or self._default_fleet
         self._prefill_fleet_factory = prefill_fleet_factory or self._default_prefill_fleet
@@ -110,14 +118,14 @@ class RouterApp:
 
     def _default_fleet(self, session: aiohttp.ClientSession) -> Fleet:
         s = self.settings
-        return Fleet(session, urls=list(s.engines), services=list(s.services), track_kv=self.tokenizer is not None,
+        return Fleet(session, urls=list(s.engines), services=list(s.services), track_kv=self.needs_tokenizer,
                      resolve_interval_s=s.resolve_interval_s, health_interval_s=s.health_interval_s,
                      on_removed=self.sessions.forget_endpoint)
 
     def _default_prefill_fleet(self, session: aiohttp.ClientSession) -> Fleet:
         s = self.settings
         return Fleet(session, urls=list(s.prefill_engines), services=list(s.prefill_services),
-                     track_kv=self.tokenizer is not None, resolve_interval_s=s.resolve_interval_s,
+                     track_kv=self.needs_tokenizer, resolve_interval_s=s.resolve_interval_s,
                      health_interval_s=s.health_interval_s, on_removed=self.sessions.forget_endpoint)
 
     def _fleets(self) -> list[Fleet]:
@@ -137,8 +145,39 @@ class RouterApp:
         return out
 
     def ready(self) -> bool:
-        """Every configured pool has a healthy engine and every healthy engine's KV state is loaded."""
-        return self.fleet is not None and all(f.ready() for f in self._fleets())
+        """Every configured pool has a healthy engine, every healthy engine's KV state is loaded,
+        and a prefix policy has its tokenizer."""
+        return (self.fleet is not None and all(f.ready() for f in self._fleets())
+                and (self.tokenizer is not None or not self.needs_tokenizer))
+
+    def readiness(self) -> dict[str, Any]:
+        """The /ready body: what the operator reports in the CacheAwareRouting condition."""
+        return {"ready": self.ready(), "policy": self.settings.policy,
+                "tokenizer": self.tokenizer.fingerprint if self.tokenizer is not None else None,
+                "tokenizer_problem": self.tokenizer_problem if self.tokenizer is None else None,
+                "mismatches": self._mismatches()}
+
+    def _use_tokenizer(self, tokenizer: Any) -> None:
+        self.tokenizer, self.tokenizer_problem = tokenizer, None
+        for f in self._fleets():
+            f.tokenizer = tokenizer.fingerprint
+
+    async def _fetch_tokenizer(self, retry_s: float = 2.0) -> None:
+        """Until it has one: the tokenizer of a healthy engine (decode pool first)."""
+        assert self.session is not None
+        while self.tokenizer is None:
+            urls = [st.url for f in reversed(self._fleets()) for st in f.engines.values() if st.healthy]
+            try:
+                tok, url = await fetch_tokenizer(self.session, urls)
+            except TokenizerFetchError as e:
+                if self.tokenizer_problem != str(e):
+                    log.warning("policy %s needs the engines' tokenizer: %s; /ready stays 503 and requests "
+                                "are routed by load until one gives it", self.settings.policy, e)
+                self.tokenizer_problem = str(e)
+                await asyncio.sleep(retry_s)
+                continue
+            log.info("tokenizer %s taken from engine %s", tok.fingerprint[:12], url)
+            self._use_tokenizer(tok)
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def startup(self) -> None:
@@ -149,12 +188,19 @@ class RouterApp:
         if self.settings.disaggregated:
             self.prefill_fleet = self._prefill_fleet_factory(self.session)
         await asyncio.gather(*(f.start() for f in self._fleets()))
+        if self.tokenizer is not None:
+            self._use_tokenizer(self.tokenizer)
+        elif self.needs_tokenizer:
+            self.tokenizer_problem = "no engine asked yet"
+            self._tokenizer_task = asyncio.ensure_future(self._fetch_tokenizer())
         synced = await asyncio.gather(*(f.wait_synced(self.settings.sync_timeout_s) for f in self._fleets()))
         if not all(synced):
             log.warning("not every engine's KV snapshot loaded within %.0fs; /ready stays 503 until they do",
                         self.settings.sync_timeout_s)
 
     async def shutdown(self) -> None:
+        if self._tokenizer_task is not None:
+            self._tokenizer_task.cancel()
         for f in self._fleets():
             await f.stop()
         if self.session is not None:
@@ -197,8 +243,8 @@ class RouterApp:
             elif path == "/health":
                 await proxy.send_json(send, 200, b'{"status":"ok"}')
             elif path == "/ready":
-                ok = self.ready()
-                await proxy.send_json(send, 200 if ok else 503, b'{"ready":%s}' % (b"true" if ok else b"false"))
+                body = self.readiness()
+                await proxy.send_json(send, 200 if body["ready"] else 503, json.dumps(body).encode())
             elif path == "/metrics":
                 body, ctype = render(self.metrics.registry)
                 await send({"type": "http.response.start", "status": 200,
@@ -291,10 +337,15 @@ class RouterApp:
             info = analyze(path, body, self.tokenizer)
         headers = proxy.forward_headers(scope["headers"])
         session = session_key(headers, info.user) if self.settings.policy == "session" else None
-        if self.two_stage is not None:
-            await self.two_stage.serve(info, body, headers, send, path, session, t0)
-        else:
-            await self._serve_plain(info, body, headers, send, path, session, t0)
+        clock = ClientClock(t0)  # end-to-end TTFT/TPOT, whichever path answers (engine/router/slo.py)
+        send = clock.wrap(send)
+        try:
+            if self.two_stage is not None:
+                await self.two_stage.serve(info, body, headers, send, path, session, t0)
+            else:
+                await self._serve_plain(info, body, headers, send, path, session, t0)
+        finally:
+            self.metrics.observe_client(clock)
 
     async def _serve_plain(self, info: PromptInfo, body: bytes, headers: dict[str, str], send: proxy.Send,
                            path: str, session: str | None, t0: float, observe_decision: bool = True) -> None:

@@ -174,9 +174,9 @@ def handler(args: argparse.Namespace) -> int:
     if source is not None:
         try:
             tokenizer = load_tokenizer(source)
-        except Exception as e:  # noqa: BLE001 - routing by load beats a crash-looping front door
-            log.error("cannot load the tokenizer (%s); policy %s routes by load only until restarted with "
-                      "--model-path pointing at the engines' model", e, args.policy)
+        except Exception as e:  # noqa: BLE001 - the engines have it (GET /kv/tokenizer)
+            log.warning("cannot read the tokenizer here (%s); policy %s takes it from the first healthy "
+                        "engine and /ready answers 503 until then", e, args.policy)
     import uvicorn
 
     from kvmesh.engine.router.app import RouterApp

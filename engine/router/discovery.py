@@ -13,8 +13,9 @@ awaited changes nothing); an engine's entries come from the engine process now a
 when it turns healthy again, or its ``/ready`` reports another ``engine_id`` (a restart at the
 same address), its entries are dropped and reloaded from a fresh snapshot; ``ready()`` is true
 only once every healthy engine that publishes KV events has had its first snapshot applied; an
-engine whose hash chain differs from the router's (hash function, root, or a block size or extra
-key other than the pool's) is never prefix-matched, and ``mismatches()`` names the field.
+engine whose hash chain differs from the router's (hash function, root, a tokenizer other than
+the router's, or a block size or extra key other than the pool's) is never prefix-matched, and
+``mismatches()`` names the field.
 """
 
 from __future__ import annotations
@@ -171,6 +172,11 @@ class EngineState:
         return bytes.fromhex(self.info["extra_key"]) if self.info and self.info.get("extra_key") else None
 
     @property
+    def tokenizer(self) -> str | None:
+        """The fingerprint of the engine's tokenizer (None: not reported)."""
+        return self.info.get("tokenizer") if self.info else None
+
+    @property
     def transfer_port(self) -> int | None:
         """The KV transfer port a decode engine reports in ``/kv/info`` (None: it receives no KV)."""
         port = self.info.get("transfer_port") if self.info else None
@@ -213,6 +219,9 @@ class Fleet:
     index: PrefixIndex = field(default_factory=PrefixIndex)
     engines: dict[str, EngineState] = field(default_factory=dict)
     on_removed: Callable[[str], None] = lambda url: None
+    # The router's tokenizer fingerprint: an engine reporting another tokenizes prompts into
+    # other ids (so other block hashes) and is routed by load only. None: no check (no tokenizer).
+    tokenizer: str | None = None
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -238,10 +247,13 @@ class Fleet:
         block_size, extra = spec
         hashes = info.hashes(block_size, extra)
         return {url: self.index.match(url, hashes) for url, st in self.engines.items()
-                if st.block_size == block_size and st.extra == extra and st.chain is None}, block_size
+                if st.block_size == block_size and st.extra == extra and self._same_chain(st)}, block_size
+
+    def _same_chain(self, st: EngineState) -> bool:
+        return st.chain is None and (self.tokenizer is None or st.tokenizer in (None, self.tokenizer))
 
     def _hash_spec(self) -> tuple[int, bytes] | None:
-        return common_hash_spec([(e.block_size, e.extra) for e in self.engines.values() if e.chain is None])
+        return common_hash_spec([(e.block_size, e.extra) for e in self.engines.values() if self._same_chain(e)])
 
     def mismatches(self) -> dict[str, str]:
         """Engine URL -> the field that keeps it out of prefix matching (engines with KV info only)."""
@@ -251,6 +263,8 @@ class Fleet:
             if not st.info or st.block_size is None:
                 continue
             name = st.chain
+            if name is None and not self._same_chain(st):
+                name = "tokenizer"
             if name is None and spec is not None:
                 name = "block_size" if st.block_size != spec[0] else "extra_key" if st.extra != spec[1] else None
             if name is not None:

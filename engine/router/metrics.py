@@ -2,6 +2,10 @@
 
 Engine labels are engine base URLs: pods come and go, but a router sees at most a few hundred
 over its life, and per-engine series are what tell a hot engine from a cold one.
+
+A router serves one deployment and has no name for it: the end-to-end latency series carry no
+deployment label, and the scrape's target labels (``namespace``/``pod``, and the chart's
+``inference_deployment``/``component``) tell deployments apart.
 """
 
 from __future__ import annotations
@@ -11,9 +15,14 @@ from collections.abc import Callable, Iterable, Mapping
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from kvmesh.engine.router.slo import ClientClock
 from kvmesh.engine.util.metrics import (
     EVENT_LOOP_LAG_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
+    ROUTER_TPOT,
+    ROUTER_TTFT,
+    STREAM_LABEL,
+    TOKEN_LATENCY_BUCKETS,
     CallbackCollector,
     check_name,
     counter,
@@ -50,6 +59,19 @@ class RouterMetrics:
         self.ttft = histogram(r, "kvmesh_router_upstream_ttft_seconds",
                               "Time from sending a request upstream to its first response byte.",
                               REQUEST_LATENCY_BUCKETS)
+        # What the client waits for, both stages of a P/D request included (engine/router/slo.py);
+        # the engines' buckets, so the two compare bucket for bucket.
+        self.e2e_ttft = histogram(r, ROUTER_TTFT,
+                                  "End-to-end time to first token, per 200 response: from the router having the "
+                                  "request to the first token event sent to the client (stream=\"true\"), or to "
+                                  "the whole body when not streamed (stream=\"false\"). Per deployment by the "
+                                  "scrape's pod labels.", REQUEST_LATENCY_BUCKETS, (STREAM_LABEL,))
+        self.e2e_tpot = histogram(r, ROUTER_TPOT,
+                                  "End-to-end time per output token of a streamed response that ended normally "
+                                  "with 2 tokens or more: (last token event - first) / (tokens - 1), as sent to "
+                                  "the client. Per deployment by the scrape's pod labels.", TOKEN_LATENCY_BUCKETS)
+        # Both label values exist from the start, so rates over them are defined before the first request.
+        self._ttft_by_stream = {True: self.e2e_ttft.labels("true"), False: self.e2e_ttft.labels("false")}
         self.cached_error = Histogram(
             check_name("kvmesh_router_cached_tokens_prediction_error"),
             "Predicted cached prompt tokens minus the engine's usage.prompt_tokens_details.cached_tokens "
@@ -79,6 +101,15 @@ class RouterMetrics:
     def count(self, engine: str, outcome: str) -> None:
         self.requests.labels(self.policy, engine, outcome).inc()
 
+    def observe_client(self, clock: ClientClock) -> None:
+        """Record one generation request's end-to-end TTFT/TPOT (once, when it is over)."""
+        ttft = clock.ttft_s()
+        if ttft is not None:
+            self._ttft_by_stream[clock.stream].observe(ttft)
+        tpot = clock.tpot_s()
+        if tpot is not None:
+            self.e2e_tpot.observe(tpot)
+
 
 class PDMetrics:
     """The two-stage flow's metrics (``kvmesh_router_pd_*``), registered on the router's registry
@@ -86,7 +117,8 @@ class PDMetrics:
 
     Requests that complete are still counted by ``kvmesh_router_requests_total`` under the decode
     engine that answered; ``kvmesh_router_upstream_ttft_seconds`` then spans stage 1 and stage 2's
-    first byte (what the client waits for, less routing).
+    first byte, and ``kvmesh_router_time_to_first_token_seconds`` everything the client waited for
+    its first token (RouterMetrics, engine/router/slo.py).
     """
 
     def __init__(self, registry: CollectorRegistry, prefill_healthy: Callable[[], int],

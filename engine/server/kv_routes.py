@@ -1,12 +1,17 @@
-"""``GET /kv/snapshot`` and ``GET /kv/info``: what a router needs to follow an engine's KV cache.
+"""``GET /kv/snapshot``, ``/kv/info`` and ``/kv/tokenizer``: what a router needs to follow an
+engine's KV cache.
 
 ``/kv/snapshot`` is the resync point of the KV event stream (``event_wire.snapshot_to_json``);
-``/kv/info`` tells a router how to compute the engine's block hash chain and where the event
-stream is published. Both answer 503 (OpenAI error format) until the engine has loaded.
+``/kv/info`` tells a router how to compute the engine's block hash chain (including its
+tokenizer's fingerprint) and where the event stream is published; ``/kv/tokenizer`` ships the
+tokenizer itself (``Tokenizer.export_files``), so a router that cannot read the model (a Volume
+or URI model it does not mount) tokenizes prompts exactly as the engines do. All answer 503
+(OpenAI error format) until the engine has loaded.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +47,7 @@ def kv_info(engine: Any, publisher: KVEventPublisher | None) -> dict[str, Any]:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "lora": None,
         "cache_salt": engine.config.cache_salt or None,
+        "tokenizer": engine.tokenizer.fingerprint,
         "kv_events": kv_events_info(publisher, engine.engine_id),
         "tiers": [engine.kv.pool.tier],
     }
@@ -60,6 +66,16 @@ def add_kv_routes(app: FastAPI, aengine: AsyncEngine, publisher: KVEventPublishe
     @app.get("/kv/snapshot")
     async def kv_snapshot() -> dict[str, Any]:
         return snapshot_to_json(loaded_engine().events.snapshot())
+
+    exported: list[dict[str, Any]] = []  # built once: a few MB of JSON, the same for the process's life
+
+    @app.get("/kv/tokenizer")
+    async def kv_tokenizer() -> dict[str, Any]:
+        tok = loaded_engine().tokenizer
+        if not exported:
+            files = await asyncio.to_thread(tok.export_files)
+            exported[:] = [{"fingerprint": tok.fingerprint, "eos_token_ids": list(tok.eos_token_ids), "files": files}]
+        return exported[0]
 
     @app.get("/kv/info")
     async def kv_info_route() -> dict[str, Any]:

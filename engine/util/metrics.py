@@ -31,6 +31,11 @@ TOKEN_LATENCY_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
     0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )
+# The router's end-to-end latencies (engine/router/slo.py), with the engines' TTFT/TPOT buckets.
+# Named here because the operator's autoscaler and dashboard read them too.
+ROUTER_TTFT = "kvmesh_router_time_to_first_token_seconds"
+ROUTER_TPOT = "kvmesh_router_time_per_output_token_seconds"
+STREAM_LABEL = "stream"  # of ROUTER_TTFT: "true" (first token event of a stream) or "false" (whole body)
 # Event-loop responsiveness (how long ready work waits for the loop): sub-millisecond upward.
 EVENT_LOOP_LAG_BUCKETS: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,

@@ -78,6 +78,40 @@ def test_requests_through_the_router_run_in_two_stages(plane):
     nothing_held(prefill, decodes[1])
 
 
+def _sum_count(procs, name, **labels) -> tuple[float, float]:
+    return (sum(p.metric(name + "_sum", **labels) or 0 for p in procs),
+            sum(p.metric(name + "_count", **labels) or 0 for p in procs))
+
+
+def test_the_routers_end_to_end_ttft_spans_both_stages(plane):
+    """The router's TTFT histogram counts every streamed request from its receipt to the first
+    token sent, so it exceeds what the decode engines time (from stage 2) and the prefill's own."""
+    prefill, decodes, router = plane
+    ttft, tpot = "kvmesh_router_time_to_first_token_seconds", "kvmesh_router_time_per_output_token_seconds"
+    engine_ttft = "kvmesh_time_to_first_token_seconds"
+    r0, n0 = _sum_count([router], ttft, stream="true")
+    t0, tpot_n0 = _sum_count([router], tpot)
+    d0, dn0 = _sum_count(decodes, engine_ttft)
+    p0, pn0 = _sum_count([prefill], engine_ttft)
+    client = _client(router)
+    for q in QUESTIONS:
+        assert _ask(client, q, stream=True)
+    wait_metric(router, ttft + "_count", n0 + len(QUESTIONS), stream="true")
+    wait_metric(router, tpot + "_count", tpot_n0 + len(QUESTIONS))
+    for d in decodes:
+        wait_metric(d, "kvmesh_num_requests_running", 0)
+    r1, _ = _sum_count([router], ttft, stream="true")
+    d1, dn1 = _sum_count(decodes, engine_ttft)
+    p1, pn1 = _sum_count([prefill], engine_ttft)
+    assert dn1 - dn0 == len(QUESTIONS)  # every request's stage 2 ran on a decode engine
+    router_mean, decode_mean = (r1 - r0) / len(QUESTIONS), (d1 - d0) / len(QUESTIONS)
+    assert router_mean > decode_mean, (router_mean, decode_mean)
+    if pn1 - pn0 == len(QUESTIONS):  # the prefill engine's own TTFT misses the transfer and stage 2
+        assert r1 - r0 > p1 - p0, (r1 - r0, p1 - p0)
+    # 16 tokens each, one stream event per decode step: a positive time per token.
+    assert _sum_count([router], tpot)[0] - t0 > 0
+
+
 def test_a_stalled_decode_engine_is_routed_around(plane):
     """One decode engine stops answering: handoffs to it fail after the prefill side's transfer
     timeout, the router marks it failed and completes every request on the other one."""

@@ -109,6 +109,20 @@ def test_one_pod_reloads_from_the_cache_node_what_the_other_wrote(cluster, deplo
           f"from the cache node")
 
 
+def test_the_cr_says_the_router_routes_by_prefix(cluster, deployment):
+    """The operator reads the router pod's /ready report (its tokenizer, engines hashing other
+    blocks) into the CacheAwareRouting condition."""
+    if not cluster.local:
+        pytest.skip("the operator runs on the host and reaches pod IPs only on the local real node")
+
+    def routing() -> dict | None:
+        conds = ((cluster.get_cr(deployment, NAME) or {}).get("status") or {}).get("conditions") or ()
+        return next((c for c in conds if c["type"] == "CacheAwareRouting" and c["status"] == "True"), None)
+
+    c = wait_until("the CacheAwareRouting condition", routing, timeout=120, every=1)
+    assert c["reason"] == "PrefixRouting" and "1 router pod(s)" in c["message"], c
+
+
 def _in_flight(cluster, ns, pod: str) -> int:
     return int(json.loads(pod_get(cluster, ns, pod, "/admin/drain"))["in_flight"])
 

@@ -174,3 +174,42 @@ def test_operator_cache_service_means_cache_node():
                                       "--cpu-kv-bytes", "1GiB"])
     cfg = settings_from_args(args).engine
     assert cfg.cache_node == "demo-cache.ns.svc.cluster.local:8000" and cfg.cpu_kv_bytes == 1 << 30
+
+
+def test_an_engine_of_another_header_version_sharing_the_node_recomputes_and_harms_no_one(
+        model_dir, loaded, node, reference):  # noqa: F811
+    """Two real engines share the node across a rolling upgrade: the second speaks another
+    block-header version (its layout says so; its hashes are the same). The node refuses its
+    gets and puts by the header, the engine recomputes the same tokens, and the first engine's
+    blocks stay intact for the engines that match them."""
+    import msgspec
+
+    writer = _engine(model_dir, loaded, node)
+    assert writer.generate([PROMPTS[0]], _params())[0].token_ids == reference[0]
+    full = (len(PROMPTS[0]) + MAX_NEW - 1) // BS
+    _written(writer, full - 1)
+
+    other = _engine(model_dir, loaded, node)
+    remote = other.engine.tiers.remote
+    remote.layout = msgspec.structs.replace(remote.layout, version=remote.layout.version + 1)
+    res = other.generate([PROMPTS[0], PROMPTS[1]], _params())
+    assert [r.token_ids for r in res] == reference[:2]
+    stats = remote.snapshot_stats()
+    assert stats.hits == 0 and stats.failures >= 1, stats
+    other.engine.check_integrity()
+    status, text = node.http("/metrics")
+    assert status == 200 and rejected_headers(text.decode()) >= 1, text.decode()[-800:]
+    other.engine.close()
+
+    reader = _engine(model_dir, loaded, node)  # the same version as the writer: reloads, exact
+    again = reader.generate([PROMPTS[0]], _params())[0]
+    assert again.token_ids == reference[0]
+    assert reader.engine.tiers.remote.snapshot_stats().hits > 0
+    for llm in (writer, reader):
+        llm.engine.close()
+
+
+def rejected_headers(metrics_text: str) -> float:
+    from kvmesh.engine.util.metrics import parse_samples, sample_value
+
+    return sample_value(parse_samples(metrics_text), "kvmesh_cachenode_rejected_headers_total") or 0

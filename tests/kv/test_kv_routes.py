@@ -77,7 +77,7 @@ def test_routes_answer_503_until_loaded_then_describe_the_cache():
             "root_hash": ROOT_HASH.hex(), "extra_key": engine.kv.extra.hex(),
             "model": "fake-model", "dtype": "bfloat16", "lora": None, "cache_salt": "tenant-7",
             "kv_events": {"port": port, "replay_port": port + 1, "topic": "kv-events/engine-fake"},
-            "tiers": ["gpu"], "role": "both", "transfer_port": None,
+            "tiers": ["gpu"], "role": "both", "transfer_port": None, "tokenizer": engine.tokenizer.fingerprint,
         }
         # /ready names the same engine: a router that sees another id there resyncs (router/discovery.py).
         assert client.get("/ready").json()["engine_id"] == info["engine_id"]
@@ -114,7 +114,8 @@ def test_serve_flags():
 
 
 def test_serve_refuses_a_busy_kv_events_port_before_loading(caplog):
-    from kvmesh.engine.server.runtime import ServeSettings, serve
+    from kvmesh.engine.server.runtime import serve
+    from kvmesh.engine.server.settings import ServeSettings
 
     port = free_port_pair()
     with KVEventPublisher("127.0.0.1", port):

@@ -120,3 +120,38 @@ def test_an_unchanged_decision_writes_no_status():
     writes = len(f.patches)
     runner.tick(obj, now=1015.0)
     assert len(f.patches) == writes
+
+
+def test_a_disaggregated_deployments_pools_are_sampled_with_the_routers_pods():
+    obj = cr()  # prefill.replicas 1: disaggregated
+    f = Fakes(obj, kv=0.5)
+    f.pods["prefill"] = [PodInfo("llm-prefill-x-a", "10.0.1.1:8000", 0)]
+    targets = []
+    sample = f.sample
+    f.sample = lambda target, now: targets.append(target) or sample(target, now)
+    io = f.io()
+    io.router_endpoints = lambda ns, name: ("10.0.2.1:8000",)
+    AutoscaleRunner(f, io).tick(obj, now=1000.0)
+    assert {t.component for t in targets} == {"prefill", "decode"}
+    assert all(t.disaggregated and t.routers == ("10.0.2.1:8000",) for t in targets)
+    assert {t.endpoints for t in targets} == {("10.0.1.1:8000",), ("10.0.0.1:8000", "10.0.0.2:8000")}
+
+    colocated = cr()
+    colocated["spec"]["prefill"] = {"replicas": 0}
+    targets.clear()
+    AutoscaleRunner(f, io).tick(colocated, now=1000.0)  # routers known, but not read when colocated
+    assert [(t.component, t.disaggregated, t.routers) for t in targets] == [("decode", False, ())]
+
+
+def test_the_routers_readiness_becomes_the_cache_aware_routing_condition():
+    obj = cr(up=300)
+    f = Fakes(obj, kv=0.5)
+    io = f.io()
+    io.router_readiness = lambda ns, name: [("llm-router-x", {"ready": False, "tokenizer": None,
+                                                             "tokenizer_problem": "no engine asked yet",
+                                                             "mismatches": {}})]
+    AutoscaleRunner(f, io).tick(obj, now=1000.0)
+    (routing,) = [c for c in obj["status"]["conditions"] if c["type"] == "CacheAwareRouting"]
+    assert (routing["status"], routing["reason"]) == ("False", "NoTokenizer")
+    assert "no engine asked yet" in routing["message"]
+    assert [c["type"] for c in obj["status"]["conditions"]].count("CacheAwareRouting") == 1

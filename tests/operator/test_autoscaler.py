@@ -1,5 +1,7 @@
 """The autoscaling decision over synthetic metric windows (no I/O, no clock)."""
 
+from dataclasses import replace
+
 import pytest
 
 from kvmesh.operator.autoscaler import (
@@ -187,3 +189,14 @@ def test_recommend_tolerance_and_step_limits(ratio, expected):
     from kvmesh.operator.autoscaler import Signal
     got, _, _ = recommend(4, 4, [Signal("kv", ratio, False, "")], Policy())
     assert got == expected
+
+
+def test_the_message_names_an_end_to_end_latency():
+    spec = make_spec()
+    pd = lambda c, t: replace(sample(t, pods=1, ttft=0.9), ttft_from="router") if c == "prefill" else \
+        replace(sample(t, tpot=0.03), tpot_from="router")
+    out, _ = run(spec, pd, [0], {"prefill": 1, "decode": 2})
+    assert "TTFT end to end p95 900ms / SLO 500ms" in out[0]["prefill"].message
+    assert "TPOT end to end p95 30ms / SLO 50ms" in out[0]["decode"].message
+    plain, _ = run(spec, lambda c, t: sample(t), [0], {"prefill": 1, "decode": 2})
+    assert "TTFT p95 100ms" in plain[0]["prefill"].message

@@ -112,3 +112,19 @@ def test_snapshot_names_an_unreachable_prometheus(tmp_path, capsys):
     rc = main(["dashboard", "snapshot", "--prometheus", "http://127.0.0.1:9", "--out", str(tmp_path),
                "--namespace", "ns", "--deployment", "llm"])
     assert rc == 1 and "127.0.0.1:9/api/v1/query_range" in capsys.readouterr().err
+
+
+def test_ttft_and_tpot_panels_show_the_routers_end_to_end_series():
+    by_title = {p.title: p for p in d.PANELS}
+    for title, hist in (("TTFT at the SLO percentile", "kvmesh_router_time_to_first_token_seconds"),
+                        ("TPOT at the SLO percentile", "kvmesh_router_time_per_output_token_seconds")):
+        (e2e,) = [q for q in by_title[title].queries if q.legend == "end to end (router)"]
+        assert e2e.expr == d.quantile(hist, d.ROUTER_STREAMED if "TTFT" in title else d.ROUTER)
+        assert 'component="router"' in e2e.expr and hist + "_bucket" in e2e.expr
+    ttft_e2e = by_title["TTFT at the SLO percentile"].queries[0].expr
+    # First-token times only: a body that is not streamed is the whole response.
+    assert 'stream="true"' in ttft_e2e
+    legends = {q.legend: q.expr for q in by_title["SLO attainment"].queries}
+    assert 'le="$ttft_slo"' in legends["TTFT end to end (router)"]
+    assert 'stream="true"' in legends["TTFT end to end (router)"]
+    assert 'le="$tpot_slo"' in legends["TPOT end to end (router)"]

@@ -142,15 +142,17 @@ def fleet(tmp_path_factory):
 
 
 def run_load(router: RouterProcess, model_id: str, clients: int, seconds: float) -> tuple[int, list[str]]:
-    """Closed-loop clients through the router; prompts share a prefix (prefix cache hits)."""
+    """Closed-loop clients through the router, streaming and not; prompts share a prefix (prefix
+    cache hits)."""
     stop, done, errors = threading.Event(), [0], []
 
     def client(c: int) -> None:
         i = 0
         while not stop.is_set():
             i += 1
+            # Every other one streamed: the router's end-to-end TTFT/TPOT series time streams only.
             body = {"model": model_id, "prompt": f"{SHARED} Client {c}, question {i}?", "max_tokens": 24,
-                    "ignore_eos": True, "temperature": 0}
+                    "ignore_eos": True, "temperature": 0, "stream": i % 2 == 0}
             r = httpx.post(router.url("/v1/completions"), json=body, timeout=300)
             if r.status_code == 200:
                 done[0] += 1

@@ -6,11 +6,15 @@ import math
 import pytest
 
 from kvmesh.operator.metrics_source import (
+    ENGINES,
+    ROUTER,
+    Hist,
     MetricsSourceError,
     PodScrapeSource,
     PoolTarget,
     PrometheusSource,
     bucket_quantile,
+    latency_histograms,
 )
 
 
@@ -78,3 +82,133 @@ def test_prometheus_source_names_the_endpoint_when_unreachable():
     src = PrometheusSource("http://127.0.0.1:9", timeout_s=2)
     with pytest.raises(MetricsSourceError, match="127.0.0.1:9/api/v1/query"):
         src.sample(PoolTarget("ns", "llm", "decode"), now=1.0)
+
+
+# ---- disaggregated: latency from the router's end-to-end histograms ------------------------
+ROUTER_TTFT = "kvmesh_router_time_to_first_token_seconds"
+ROUTER_TPOT = "kvmesh_router_time_per_output_token_seconds"
+
+
+def hist_lines(name, counts, labels="", les=(0.1, 0.5, 1.0)):
+    sep = "," if labels else ""
+    return [f'{name}_bucket{{{labels}{sep}le="{le}"}} {c}' for le, c in zip((*les, "+Inf"), counts)]
+
+
+def engine_page(ttft, tpot):
+    lines = hist_lines("kvmesh_time_to_first_token_seconds", ttft, 'model_name="m"')
+    lines += hist_lines("kvmesh_time_per_output_token_seconds", tpot, 'model_name="m"', les=(0.01, 0.05, 0.1))
+    lines += ['kvmesh_kv_cache_usage_ratio{model_name="m",tier="gpu"} 0.5']
+    return "\n".join(lines) + "\n"
+
+
+def router_page(streamed, whole, tpot):
+    lines = hist_lines(ROUTER_TTFT, streamed, 'stream="true"') + hist_lines(ROUTER_TTFT, whole, 'stream="false"')
+    lines += hist_lines(ROUTER_TPOT, tpot, les=(0.01, 0.05, 0.1))
+    return "\n".join(lines) + "\n"
+
+
+def test_latency_histograms_per_pool_kind():
+    engines_ttft = Hist(ENGINES, "kvmesh_time_to_first_token_seconds")
+    engines_tpot = Hist(ENGINES, "kvmesh_time_per_output_token_seconds")
+    router_ttft = Hist(ROUTER, ROUTER_TTFT, (("stream", "true"),))
+    router_tpot = Hist(ROUTER, ROUTER_TPOT)
+    colocated = latency_histograms(PoolTarget("ns", "llm", "decode"))
+    assert colocated == {"ttft": (engines_ttft,), "tpot": (engines_tpot,)}
+    prefill = latency_histograms(PoolTarget("ns", "llm", "prefill", disaggregated=True))
+    assert prefill["ttft"] == (router_ttft, engines_ttft)
+    decode = latency_histograms(PoolTarget("ns", "llm", "decode", disaggregated=True))
+    # A decode engine's TTFT starts at stage 2: never a stand-in.
+    assert decode == {"ttft": (router_ttft,), "tpot": (router_tpot, engines_tpot)}
+
+
+def pd_targets(routers=("r:1",)):
+    return [PoolTarget("ns", "llm", "prefill", ("p:1",), 60, 50, disaggregated=True, routers=routers),
+            PoolTarget("ns", "llm", "decode", ("d:1",), 60, 50, disaggregated=True, routers=routers)]
+
+
+def test_pod_scrape_reads_the_routers_end_to_end_series_for_a_disaggregated_deployment():
+    zero = [0, 0, 0, 0]
+    pages = {"http://p:1/metrics": engine_page(zero, zero), "http://d:1/metrics": engine_page(zero, zero),
+             "http://r:1/metrics": router_page(zero, zero, zero)}
+    src_fetched = []
+
+    def fetch(url):
+        src_fetched.append(url)
+        return pages[url]
+
+    src = PodScrapeSource(fetch=fetch)
+    prefill, decode = pd_targets()
+    src.sample(prefill, 0.0)
+    src.sample(decode, 0.0)
+    # In the window: prefill engines' TTFT all <= 0.1, decode engines' TTFT all <= 0.1 (stage 2),
+    # the router's streamed TTFT all in (0.5, 1.0], its non-streamed (whole bodies) past 1.0;
+    # decode engines' TPOT <= 0.01, the router's in (0.05, 0.1].
+    pages = {"http://p:1/metrics": engine_page([10, 10, 10, 10], zero),
+             "http://d:1/metrics": engine_page([10, 10, 10, 10], [10, 10, 10, 10]),
+             "http://r:1/metrics": router_page([0, 0, 10, 10], [0, 0, 0, 50], [0, 0, 10, 10])}
+    p, d = src.sample(prefill, 30.0), src.sample(decode, 30.0)
+    assert 0.5 < p.ttft_s <= 1.0 and p.ttft_from == "router"
+    assert 0.05 < d.tpot_s <= 0.1 and d.tpot_from == "router"
+    assert 0.5 < d.ttft_s <= 1.0 and d.ttft_from == "router"
+    assert p.pods == d.pods == 1  # the router is no pod of either pool
+    assert src_fetched.count("http://r:1/metrics") == 2  # once per tick, whichever pools ask
+
+
+def test_pod_scrape_falls_back_to_the_pools_engines_while_the_router_has_nothing():
+    zero = [0, 0, 0, 0]
+    pages = {"http://p:1/metrics": engine_page(zero, zero), "http://d:1/metrics": engine_page(zero, zero),
+             "http://r:1/metrics": router_page(zero, zero, zero)}
+    src = PodScrapeSource(fetch=lambda url: pages[url])
+    prefill, decode = pd_targets()
+    src.sample(prefill, 0.0), src.sample(decode, 0.0)
+    # Only non-streamed requests: the router's streamed TTFT and its TPOT saw nothing.
+    pages = {"http://p:1/metrics": engine_page([10, 10, 10, 10], zero),
+             "http://d:1/metrics": engine_page([10, 10, 10, 10], [10, 10, 10, 10]),
+             "http://r:1/metrics": router_page(zero, [0, 0, 0, 50], zero)}
+    p, d = src.sample(prefill, 30.0), src.sample(decode, 30.0)
+    assert p.ttft_s <= 0.1 and p.ttft_from == "engines"
+    assert d.tpot_s <= 0.01 and d.tpot_from == "engines"
+    assert d.ttft_s is None  # never the decode engines' stage-2 TTFT
+    # No router pod ready at all: the same stand-in.
+    bare = PodScrapeSource(fetch=lambda url: pages[url])
+    lone = pd_targets(routers=())[0]
+    pages["http://p:1/metrics"] = engine_page(zero, zero)
+    bare.sample(lone, 0.0)
+    pages["http://p:1/metrics"] = engine_page([10, 10, 10, 10], zero)
+    p2 = bare.sample(lone, 30.0)
+    assert p2.ttft_s <= 0.1 and p2.ttft_from == "engines" and p2.pods == 1
+
+
+class RecordingPrometheus(PrometheusSource):
+    """Answers from `answers` (a substring of the query -> value), recording every query."""
+
+    def __init__(self, answers):
+        super().__init__("http://prometheus.invalid")
+        self.answers, self.queries = answers, []
+
+    def scalar(self, promql, now):
+        self.queries.append(promql)
+        return next((v for key, v in self.answers.items() if key in promql), None)
+
+
+def test_prometheus_source_queries_the_routers_pods_for_a_disaggregated_deployment():
+    src = RecordingPrometheus({ROUTER_TTFT: 0.8, ROUTER_TPOT: 0.07, "count(": 2})
+    p = src.sample(PoolTarget("ns", "llm", "prefill", window_s=60, percentile=90, disaggregated=True), 5.0)
+    assert (p.ttft_s, p.ttft_from, p.tpot_s, p.tpot_from, p.pods) == (0.8, "router", 0.07, "router", 2)
+    (ttft_q,) = [q for q in src.queries if ROUTER_TTFT in q]
+    assert ttft_q == ('histogram_quantile(0.9, sum by (le) (rate(kvmesh_router_time_to_first_token_seconds_bucket'
+                      '{namespace="ns",pod=~"llm-router-[a-z0-9]+-[a-z0-9]+",stream="true"}[60s])))')
+    assert not any("kvmesh_time_to_first_token_seconds" in q for q in src.queries)  # not needed
+    # The router saw nothing yet: the pool's engines stand in, except a decode engine's TTFT.
+    src = RecordingPrometheus({"kvmesh_time_to_first_token_seconds": 0.01,
+                               "kvmesh_time_per_output_token_seconds": 0.02})
+    d = src.sample(PoolTarget("ns", "llm", "decode", disaggregated=True), 5.0)
+    assert (d.ttft_s, d.tpot_s, d.tpot_from) == (None, 0.02, "engines")
+    assert any('pod=~"llm-decode-' in q and "kvmesh_time_per_output_token_seconds" in q for q in src.queries)
+
+
+def test_prometheus_source_keeps_the_engines_series_for_a_colocated_deployment():
+    src = RecordingPrometheus({"kvmesh_time_to_first_token_seconds": 0.3})
+    s = src.sample(PoolTarget("ns", "llm", "decode"), 5.0)
+    assert s.ttft_s == 0.3 and s.ttft_from == "engines"
+    assert not any("kvmesh_router_" in q for q in src.queries)

@@ -33,6 +33,7 @@ class Behavior:
     chunks: int = 3
     ready: bool = True
     cached_tokens: int = 0
+    chunk_interval_s: float = 0.0  # pause between stream chunks (0: as fast as the loop goes)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class FakeEngine:
     engine_id: str = ""  # what /ready and /kv/info report ("": the name); a new one is a restart
     hash_function: str = "sha256"
     kv_info_delay_s: float = 0.0
+    tokenizer: str | None = None  # the fingerprint /kv/info reports (None: none reported)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -60,6 +62,9 @@ class FakeEngine:
         if path == "/kv/info":
             await asyncio.sleep(self.kv_info_delay_s)
             return await json_response(send, 200, self.kv_info())
+        if path == "/kv/tokenizer":  # a fake has no tokenizer files to give
+            return await json_response(send, 404, {"error": {"message": "no tokenizer here", "type": "x",
+                                                             "param": None, "code": "not_found"}})
         if path.startswith("/v1/models"):
             return await json_response(send, 200, {"object": "list",
                                                    "data": [{"id": "fake-model", "owned_by": self.name}]})
@@ -78,7 +83,8 @@ class FakeEngine:
 
     def kv_info(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id or self.name, "block_size": BLOCK_SIZE, "hash_function": self.hash_function,
-                "extra_key": EXTRA.hex(), "kv_events": self.kv_events}
+                "extra_key": EXTRA.hex(), "kv_events": self.kv_events,
+                **({"tokenizer": self.tokenizer} if self.tokenizer else {})}
 
     async def handle(self, req: dict[str, Any], receive: Any, send: Any) -> None:
         """Answer one generation request as ``behavior`` scripts."""
@@ -111,6 +117,8 @@ class FakeEngine:
             chunk = {"engine": self.name, "choices": [{"index": 0, "text": f"t{i}"}]}
             await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
                         "more_body": True})
+            if b.chunk_interval_s:
+                await asyncio.sleep(b.chunk_interval_s)
             if b.mode == "slow":
                 # Watch for the client leaving while we "generate".
                 try:
@@ -120,7 +128,9 @@ class FakeEngine:
                         return
                 except asyncio.TimeoutError:
                     pass
-        tail = f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n" if req.get("stream_options") else ""
+        # Compact, as the engine writes it (the router finds the usage event by '"choices":[]').
+        usage_event = json.dumps({"choices": [], "usage": usage}, separators=(",", ":"))
+        tail = f"data: {usage_event}\n\n" if req.get("stream_options") else ""
         await send({"type": "http.response.body", "body": (tail + "data: [DONE]\n\n").encode()})
 
 

@@ -11,6 +11,7 @@ the wrong ``kv_transfer_params`` gets a 400 back.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +71,10 @@ class FakeDecode(FakeEngine):
 @dataclass
 class FakePrefill(FakeEngine):
     """A prefill engine: stage 1 answers with a kv_transfer object, or relays the decode side's
-    failure; ``behavior`` (status, die_before_first) scripts the prefill engine's own failures."""
+    failure; ``behavior`` (status, die_before_first) scripts the prefill engine's own failures;
+    ``stage1_delay_s`` stands for the prefill compute and the KV transfer."""
+
+    stage1_delay_s: float = 0.0
 
     def kv_info(self) -> dict[str, Any]:
         return {**super().kv_info(), "role": "prefill", "transfer_port": None}
@@ -92,6 +96,7 @@ class FakePrefill(FakeEngine):
             return await json_response(send, 502, error("decode_failed"))
         if dec.refuse_transfer:
             return await json_response(send, 502, error("decode_refused"))
+        await asyncio.sleep(self.stage1_delay_s)
         dec.transfers.add(params["transfer_id"])
         await json_response(send, 200, {"object": "kv_transfer", "transfer_id": params["transfer_id"],
                                         "prompt_tokens": 10, "cached_tokens": 0, "decode_hit_blocks": 1,

@@ -116,6 +116,23 @@ def test_two_stages_with_the_contracts_transfer_params(pd, stream):
     assert c.metric("kvmesh_router_pd_fallback_total", reason="no_prefill") == 0
 
 
+def test_end_to_end_ttft_spans_both_stages_and_tpot_the_decode_engines_stream(pd):
+    p0 = FakePrefill("p0", stage1_delay_s=0.3)
+    d0 = FakeDecode("d0", behavior=Behavior(chunks=3, chunk_interval_s=0.05))
+    c = pd([p0], [d0])
+    assert answered_by(completion(c.url, stream=True), True) == "d0"
+    ttft = "kvmesh_router_time_to_first_token_seconds"
+    deadline = time.monotonic() + 10
+    while c.metric("kvmesh_router_time_per_output_token_seconds_count") < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert c.metric(ttft + "_count", stream="true") == 1
+    # Stage 1 (0.3 s here) is what a decode engine's own TTFT never sees.
+    assert 0.3 <= c.metric(ttft + "_sum", stream="true") < 5
+    assert c.metric(ttft + "_bucket", stream="true", le="0.2") == 0
+    tpot = c.metric("kvmesh_router_time_per_output_token_seconds_sum")
+    assert 0.04 <= tpot <= 0.1  # 3 token events 0.05 s apart (no usage event: counted)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_decode_no_room_moves_the_request_to_another_decode_engine(pd, stream):
     full, free = FakeDecode("full", room=False), FakeDecode("free")

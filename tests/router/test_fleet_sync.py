@@ -119,3 +119,23 @@ def test_chain_mismatch_names_the_field():
     assert chain_mismatch({"hash_function": "sha256", "root_hash": ROOT_HASH.hex()}) is None
     assert chain_mismatch({"hash_function": "md5"}) == "hash_function"
     assert chain_mismatch({"root_hash": "00" * 32}) == "root_hash"
+
+
+def test_an_engine_with_another_tokenizer_is_never_prefix_matched():
+    """Another tokenizer (or chat template) gives other ids, so other block hashes: the router
+    compares each engine's fingerprint with its own once it has a tokenizer."""
+    same, other, silent = (FakeEngine("same", tokenizer="fp-a"), FakeEngine("other", tokenizer="fp-b"),
+                           FakeEngine("silent"))
+
+    async def main(s):
+        fleet = _fleet(s, [same, other, silent], {})
+        await fleet.refresh_members()
+        await fleet.probe_all()
+        prompt = PromptInfo(token_ids=list(range(100, 116)))
+        assert fleet.mismatches() == {} and len(fleet.prefix_matches(prompt)[0]) == 3  # no tokenizer: no check
+        fleet.tokenizer = "fp-a"
+        assert fleet.mismatches() == {other.url: "tokenizer"}
+        assert set(fleet.prefix_matches(prompt)[0]) == {same.url, silent.url}  # silent: reports none
+        await fleet.stop()
+
+    _run([same, other, silent], main)

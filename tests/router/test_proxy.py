@@ -175,6 +175,34 @@ def test_engine_death_mid_stream_ends_with_an_error_event_and_done(cluster_facto
                     outcome="failed_midstream") == 1
 
 
+def wait_metric(c, name, want, timeout=10, **labels):
+    """The router observes a request's end-to-end latency just after its last byte is out."""
+    deadline = time.monotonic() + timeout
+    while (c.metric(name, **labels) or 0) < want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return c.metric(name, **labels)
+
+
+def test_end_to_end_ttft_and_tpot_are_what_the_client_saw(cluster_factory):
+    a = FakeEngine("a", Behavior(chunks=4, chunk_interval_s=0.05))
+    c = cluster_factory("round-robin", [a])
+    ttft, tpot = "kvmesh_router_time_to_first_token_seconds", "kvmesh_router_time_per_output_token_seconds"
+    assert c.metric(ttft + "_count", stream="true") == 0 and c.metric(tpot + "_count") == 0
+    for _ in range(2):
+        r = completion(c.url, stream=True, stream_options={"include_usage": True})
+        assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
+    assert wait_metric(c, tpot + "_count", 2) == 2
+    assert c.metric(ttft + "_count", stream="true") == 2
+    # Token events 0.05 s apart: 3 gaps over usage.completion_tokens - 1 = 3.
+    assert 0.04 * 2 <= c.metric(tpot + "_sum") <= 0.1 * 2
+    assert completion(c.url).status_code == 200
+    assert wait_metric(c, ttft + "_count", 1, stream="false") == 1
+    assert c.metric(tpot + "_count") == 2  # a body that is not streamed has no token timing
+    a.behavior = Behavior(mode="status", status=400)
+    assert completion(c.url, stream=True).status_code == 400
+    assert c.metric(ttft + "_count", stream="true") == 2  # only 200 responses are timed
+
+
 def test_all_engines_down_is_a_503_with_a_message(cluster_factory):
     a = FakeEngine("a", Behavior(ready=False))
     c = cluster_factory("least-load", [a], extra_urls=[f"http://127.0.0.1:{free_port()}"])

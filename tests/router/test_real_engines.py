@@ -174,3 +174,35 @@ def test_oversized_bodies_get_413_from_the_router_and_the_engines_and_nothing_br
     assert routed_to(router, engines) == before
     assert engines[0].metric("kvmesh_request_errors_total", code="request_too_large") == 2
     assert chat(router, "You are brief.", "Say hi.")["usage"]["completion_tokens"] == 4
+
+
+def test_a_router_that_cannot_read_the_model_takes_the_tokenizer_from_an_engine(fleet, tmp_path):
+    """As under the operator with a Volume or URI model the router pod does not mount: the
+    router's own tokenizer source fails, so it asks an engine (GET /kv/tokenizer), is not ready
+    before it has one, and then routes by prefix with ids equal to the engines'."""
+    engines, router = fleet
+    fetched = RouterProcess("--engines", ",".join(e.base_url for e in engines), "--policy", "cache-aware",
+                            "--model-path", str(tmp_path / "not-mounted"), "--health-interval-s", "0.5")
+    try:
+        fetched.start()  # waits for /ready 200: only once the tokenizer came
+        ready = httpx.get(fetched.url("/ready"), timeout=10).json()
+        info = httpx.get(engines[0].url("/kv/info"), timeout=10).json()
+        assert ready["tokenizer"] == info["tokenizer"] == router_tokenizer(router), (ready, info)
+        assert ready["tokenizer_problem"] is None and ready["mismatches"] == {}
+        assert "takes it from the first healthy engine" in fetched.log_path.read_text()
+
+        system = "Conversation about fetched tokenizers. " + SYSTEM * 6
+        first_before = routed_to(router, engines)
+        chat(router, system, "What is a block hash?")  # cached on one engine, through the first router
+        (holder,) = [u for u, n in routed_to(router, engines).items() if n == first_before[u] + 1]
+        wait_for(lambda: index_blocks(fetched).get((holder, "gpu"), 0) > 10, what="the prompt's blocks in the index")
+        before = routed_to(fetched, engines)
+        second = chat(fetched, system, "And what is a prefix cache?")
+        assert routed_to(fetched, engines)[holder] == before[holder] + 1
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 10 * 16
+    finally:
+        fetched.stop()
+
+
+def router_tokenizer(router: RouterProcess) -> str:
+    return httpx.get(router.url("/ready"), timeout=10).json()["tokenizer"]

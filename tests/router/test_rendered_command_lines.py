@@ -15,7 +15,7 @@ import pytest
 
 from kvmesh.cli import build_parser
 from kvmesh.engine.router import cli as router_cli
-from kvmesh.engine.router.policies import POLICIES
+from kvmesh.engine.router.policies import POLICIES, uses_prefix
 from kvmesh.operator import render as r
 from kvmesh.operator import spec as s
 from tests.operator.conftest import MINIMAL_SPEC
@@ -85,3 +85,5 @@ def test_rendered_command_line_parses(name, raw, component):
 
 def test_router_policies_match_the_crd():
     assert router_cli.POLICIES == POLICIES == s.ROUTER_POLICIES
+    # The operator reports CacheAwareRouting for exactly the policies the router tokenizes for.
+    assert tuple(p for p in POLICIES if uses_prefix(p)) == s.PREFIX_ROUTER_POLICIES
