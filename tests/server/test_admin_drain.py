@@ -25,6 +25,14 @@ def _wait(cond, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+async def _loaded_server():
+    """A server built as `kvmesh serve` builds it, on the fake engine, loaded; and its app."""
+    server = build_server(ServeSettings(drain_timeout_s=5), engine_factory=FakeEngine)
+    server.aengine.start()
+    await server.aengine.loaded.wait()
+    return server, server.config.app.state.server
+
+
 def test_admin_drain_stops_readiness_finishes_inflight_and_reports_zero():
     engine = FakeEngine(step_delay_s=0.02)
     server = ServerApp(AsyncEngine(lambda: engine), drain_timeout_s=60)
@@ -60,11 +68,8 @@ def test_admin_drain_stops_readiness_finishes_inflight_and_reports_zero():
 
 def test_sigterm_during_an_admin_drain_joins_it():
     async def main() -> None:
-        server = build_server(ServeSettings(drain_timeout_s=5), engine_factory=FakeEngine)
-        app = server.config.app.state.server
+        server, app = await _loaded_server()
         assert app.drainer is server.drainer  # one drain, whoever asks
-        server.aengine.start()
-        await server.aengine.loaded.wait()
         task = app.drainer.start("POST /admin/drain")
         await server.drain("SIGTERM")
         assert task.done() and app.drainer.reason == "POST /admin/drain"
@@ -92,10 +97,7 @@ def test_an_admin_drain_can_be_cancelled_and_the_server_serves_again():
 
 def test_a_shutdowns_drain_cannot_be_cancelled():
     async def main() -> None:
-        server = build_server(ServeSettings(drain_timeout_s=5), engine_factory=FakeEngine)
-        app = server.config.app.state.server
-        server.aengine.start()
-        await server.aengine.loaded.wait()
+        server, app = await _loaded_server()
         await server.drain("SIGTERM")
         assert app.drainer.cancel() is False and server.aengine.state is ServerState.DRAINING
         await server.aengine.shutdown()
@@ -141,10 +143,7 @@ def test_a_drain_lease_out_of_range_is_refused_with_the_field_named():
 
 def test_a_shutdown_joining_a_leased_drain_is_not_undone_by_the_lease():
     async def main() -> None:
-        server = build_server(ServeSettings(drain_timeout_s=5), engine_factory=FakeEngine)
-        app = server.config.app.state.server
-        server.aengine.start()
-        await server.aengine.loaded.wait()
+        server, app = await _loaded_server()
         app.drainer.start("POST /admin/drain", lease_s=0.2)
         await server.drain("SIGTERM")
         await asyncio.sleep(0.4)
