@@ -4,14 +4,8 @@ events, a rejected header, a restart (misses, not errors) and a kill mid-transfe
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,48 +21,10 @@ from kvmesh.engine.transfer.errors import ConnectFailed, HeaderMismatch, PeerGon
 from kvmesh.engine.transfer.header import BlockHeader
 from kvmesh.engine.transfer.loop_thread import LoopThread
 
-from kvmesh.engine.util.localproc import ProcessExited, free_port_run, free_ports, wait_ready
+from ..support.processes import NodeProc
 from ..transfer.kvdata import blocks, layout
 
 pytestmark = pytest.mark.timeout(120)
-KVMESH = str(Path(sys.executable).with_name("kvmesh"))
-
-
-class NodeProc:
-    def __init__(self, memory: str = "64MiB", events: bool = True) -> None:
-        self.http_port, self.ucx_port = free_ports(2)
-        self.events_port = free_port_run(2, avoid=frozenset((self.http_port, self.ucx_port))) if events else 0
-        self.memory = memory
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> NodeProc:
-        cmd = [KVMESH, "cache-node", "--memory", self.memory, "--host", "127.0.0.1", "--port", str(self.http_port),
-               "--ucx-port", str(self.ucx_port), "--node-id", "node-t", "--kv-events-port", str(self.events_port),
-               "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     env=dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n"))
-        try:
-            wait_ready(f"http://127.0.0.1:{self.http_port}/ready", 60, self.proc, what="cache node")
-        except ProcessExited as e:
-            raise ProcessExited(f"{e}{self.proc.stderr.read().decode()[-2000:]}") from None
-        return self
-
-    def http(self, path: str) -> tuple[int, bytes]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=5) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(5)
 
 
 @pytest.fixture

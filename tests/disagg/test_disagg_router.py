@@ -15,8 +15,9 @@ import httpx
 import openai
 import pytest
 
-from tests.router.test_real_engines import RouterProcess
-from tests.server.serverproc import ServerProcess, free_port_pair
+from tests.support.processes import RouterProcess
+from kvmesh.engine.util.localproc import free_port_pair
+from tests.support.processes import ServerProcess
 
 from .test_disagg_servers import nothing_held, wait_metric
 

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.serverproc import ServerProcess
+from tests.support.processes import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -15,7 +15,7 @@ import pytest
 
 from kvmesh.engine.disagg.prefill_side import DECODE
 
-from ..cachenode.test_node_process import NodeProc
+from tests.support.processes import NodeProc
 from ..engine.test_cache_node_tier import _wait
 from ..engine.test_host_tier import MAX_NEW, PROMPTS, loaded, model_dir, tiny_engine  # noqa: F401
 from .handoff import prefill

@@ -16,7 +16,7 @@ from kvmesh.engine.transfer.buffers import KVBlock
 from kvmesh.engine.transfer.client import KVClient
 from kvmesh.engine.transfer.header import BlockHeader, kv_layout
 
-from ..cachenode.test_node_process import NodeProc
+from tests.support.processes import NodeProc
 from .test_host_tier import BS, MAX_NEW, PROMPTS, _params, hf_greedy, loaded, model_dir, tiny_engine  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
@@ -147,7 +147,7 @@ def test_header_mismatch_is_rejected_and_recomputed(model_dir, loaded, node, ref
 
 
 def test_unreachable_node_drops_saves_and_recomputes(model_dir, loaded, reference):  # noqa: F811
-    from ..cachenode.test_node_process import free_ports
+    from kvmesh.engine.util.localproc import free_ports
 
     (port,) = free_ports(1)
     llm = tiny_engine(model_dir, loaded, num_kv_blocks=64, cache_node=f"127.0.0.1:{port}", cache_node_timeout=1.0)

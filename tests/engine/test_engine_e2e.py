@@ -13,7 +13,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.llm import LLM
 from kvmesh.engine.sampling import SamplingParams
 
-from .tiny_models import make_tiny_hf_model
+from tests.support.tiny_models import make_tiny_hf_model
 
 MAX_NEW = 12
 SHARED = [(11 * j) % 800 + 50 for j in range(22)]  # a common prefix: 5 full blocks of 4 and a bit

@@ -20,7 +20,7 @@ from kvmesh.engine.llm import LLM, EngineStalledError, RequestFailedError
 from kvmesh.engine.sampling import InvalidSamplingParams, SamplingParams
 from kvmesh.engine.scheduler import SchedulerOutput
 
-from .tiny_models import make_tiny_hf_model
+from tests.support.tiny_models import make_tiny_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 from kvmesh.engine.block_hash import extra_key
 from kvmesh.engine.model.loader import load_model
 
-from .tiny_models import make_tiny_gguf, make_tiny_hf_model
+from tests.support.tiny_models import make_tiny_gguf, make_tiny_hf_model
 
 
 def _id(path) -> str:

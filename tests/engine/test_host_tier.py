@@ -16,7 +16,7 @@ from kvmesh.engine.kv.host_tier import HostTier
 from kvmesh.engine.llm import LLM
 from kvmesh.engine.sampling import SamplingParams
 
-from .tiny_models import make_tiny_hf_model
+from tests.support.tiny_models import make_tiny_hf_model
 
 SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, block_size, heads, head_dim
 

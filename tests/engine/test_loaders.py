@@ -21,7 +21,7 @@ from kvmesh.engine.model.gguf_loader import (
 from kvmesh.engine.model.loader import LoadedModel, ModelLoadError, load_model
 from kvmesh.engine.model.safetensors_loader import load_safetensors_dir
 
-from .tiny_models import llamacpp_permute, make_tiny_gguf, make_tiny_hf_model
+from tests.support.tiny_models import llamacpp_permute, make_tiny_gguf, make_tiny_hf_model
 
 LLAMA3_ROPE = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

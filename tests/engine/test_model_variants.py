@@ -15,7 +15,7 @@ from kvmesh.engine.model.attention import AttentionBackend, AttnMetadata
 from kvmesh.engine.model.llama import LlamaModel
 from kvmesh.engine.model.safetensors_loader import load_safetensors_dir
 
-from .tiny_models import make_tiny_hf_model
+from tests.support.tiny_models import make_tiny_hf_model
 
 CASES = {
     "llama": ("llama", {}),

@@ -187,7 +187,7 @@ def test_prefix_reloaded_from_a_cache_node(loaded, prompts, hf_reference):
     reloads them from it instead of recomputing."""
     import time
 
-    from ..cachenode.test_node_process import NodeProc
+    from tests.support.processes import NodeProc
 
     node = NodeProc(memory="512MiB", events=False).start()
     try:

@@ -16,7 +16,7 @@ from kvmesh.engine.model.tokenizer import (
     TokenizerLoadError,
 )
 
-from .tiny_models import CHATML_TEMPLATE, make_tiny_hf_model, make_tiny_tokenizer
+from tests.support.tiny_models import CHATML_TEMPLATE, make_tiny_hf_model, make_tiny_tokenizer
 
 MIXED_TEXT = "Hello 😀 世界! Naïve café — 你好，世界。こんにちは 🇫🇷 done."
 # Characters the tiny tokenizer never saw in training: each spans several byte tokens.
@@ -270,7 +270,7 @@ def test_streaming_with_holdback_never_leaks_a_stop_string():
 def test_gguf_tokenizer_matches_and_is_cached(tmp_path, tiny):
     import os
 
-    from .tiny_models import make_tiny_gguf
+    from tests.support.tiny_models import make_tiny_gguf
 
     _, gguf_path = make_tiny_gguf("llama", tmp_path)
     tok = Tokenizer.from_gguf(gguf_path)

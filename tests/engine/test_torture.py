@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from ..cachenode.test_node_process import NodeProc
+from tests.support.processes import NodeProc
 from .test_host_tier import loaded, model_dir  # noqa: F401 - the same tiny random Llama
 from .torture import Reference, Workload, engines, run
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from kvmesh.engine.kv.event_wire import snapshot_to_json
-from tests.server.serverproc import free_port_pair  # noqa: F401  (re-exported for the KV tests)
+from kvmesh.engine.util.localproc import free_port_pair  # noqa: F401  (re-exported for the KV tests)
 from kvmesh.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventLog
 
 

@@ -18,8 +18,8 @@ from kvmesh.engine.kv.event_subscriber import KVCacheMirror, KVEventSubscriber
 from kvmesh.engine.kv.event_wire import snapshot_from_json
 from kvmesh.engine.kv.events import BlockRemoved, KVEventRecord
 
-from ..engine.tiny_models import make_tiny_hf_model
-from ..server.serverproc import ServerProcess
+from tests.support.tiny_models import make_tiny_hf_model
+from tests.support.processes import ServerProcess
 from .helpers import free_port_pair, until
 
 pytestmark = pytest.mark.slow  # a real server process: about 15 s

@@ -30,12 +30,13 @@ from kvmesh.operator.metrics import OperatorMetrics
 from kvmesh.operator.metrics_source import PodScrapeSource
 from kvmesh.operator.scaling import PodInfo
 from kvmesh.operator.dashboard_snapshot import query, render, slo_panels
-from tests.cachenode.test_node_process import NodeProc
-from tests.engine.tiny_models import make_tiny_hf_model
-from tests.router.test_real_engines import RouterProcess, free_port_pair
-from tests.server.serverproc import ServerProcess
+from tests.support.processes import NodeProc
+from tests.support.tiny_models import make_tiny_hf_model
+from kvmesh.engine.util.localproc import free_port_pair
+from tests.support.processes import RouterProcess
+from tests.support.processes import ServerProcess
 
-from .promproc import PrometheusProcess, PrometheusUnavailable, prometheus_binary
+from tests.support.prometheus import PrometheusProcess, PrometheusUnavailable, prometheus_binary
 
 pytestmark = pytest.mark.slow
 

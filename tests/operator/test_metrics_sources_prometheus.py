@@ -22,10 +22,10 @@ from kvmesh.operator.metrics_source import (
     sources_agree,
 )
 from kvmesh.operator.spec import parse_spec
-from tests.engine.tiny_models import make_tiny_hf_model
-from tests.server.serverproc import ServerProcess
+from tests.support.tiny_models import make_tiny_hf_model
+from tests.support.processes import ServerProcess
 
-from .promproc import PrometheusProcess, PrometheusUnavailable, prometheus_binary
+from tests.support.prometheus import PrometheusProcess, PrometheusUnavailable, prometheus_binary
 
 pytestmark = pytest.mark.slow
 

@@ -8,32 +8,19 @@ process with the real tokenizer, subscribers, index and policy. Nothing is faked
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
 from kvmesh.engine.util.metrics import parse_samples, sample_value
-from tests.server.serverproc import ServerProcess, free_port_pair
+from kvmesh.engine.util.localproc import free_port_pair
+from tests.support.processes import RouterProcess, ServerProcess
 
 pytestmark = pytest.mark.slow
 
 SYSTEM = ("You are a meticulous assistant for a company that builds routers for language model fleets. "
           "Answer precisely, cite the relevant block of the manual, and never invent configuration flags. ")
-
-
-class RouterProcess(ServerProcess):
-    """`python -m kvmesh router ...`, logging to a file."""
-
-    def start(self) -> RouterProcess:
-        cmd = [sys.executable, "-m", "kvmesh", "router", "--host", "127.0.0.1", "--port", str(self.port),
-               *self.flags]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=self.dir, stdout=self._log, stderr=subprocess.STDOUT)
-        self.wait_ready()
-        return self
 
 
 @pytest.fixture(scope="module")

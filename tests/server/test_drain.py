@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from .serverproc import ServerProcess
+from tests.support.processes import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import pytest
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.sampling import SamplingParams
 
-from .serverproc import ServerProcess
+from tests.support.processes import ServerProcess
 
 pytestmark = pytest.mark.slow
 
