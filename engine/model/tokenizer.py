@@ -237,6 +237,27 @@ class Tokenizer:
             return {p.name: p.read_text() for p in sorted(Path(d).iterdir())
                     if p.is_file() and p.suffix in _EXPORT_SUFFIXES}
 
+    def to_payload(self) -> dict[str, Any]:
+        """The tokenizer as the JSON body of an engine's ``GET /kv/tokenizer``: its fingerprint,
+        end-of-sequence ids and files; `from_payload` is the other side."""
+        return {"fingerprint": self.fingerprint, "eos_token_ids": list(self.eos_token_ids),
+                "files": self.export_files()}
+
+    @classmethod
+    def from_payload(cls, payload: Any) -> Tokenizer:
+        """The tokenizer in a `to_payload` body from the network; raises TokenizerLoadError on any
+        malformed part, including files that do not rebuild the announced fingerprint."""
+        if not isinstance(payload, dict) or not isinstance(payload.get("files"), dict):
+            raise TokenizerLoadError("expected a JSON object with 'files' (name -> text)")
+        eos = payload.get("eos_token_ids") or []
+        if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+            raise TokenizerLoadError("'eos_token_ids' must be a list of integers")
+        tok = cls.from_files(payload["files"], eos)
+        if tok.fingerprint != payload.get("fingerprint"):
+            raise TokenizerLoadError(f"the rebuilt tokenizer's fingerprint {tok.fingerprint[:12]} is not the "
+                                     f"announced {str(payload.get('fingerprint'))[:12]}")
+        return tok
+
     @classmethod
     def from_files(cls, files: Mapping[str, str], eos_token_ids: Iterable[int] = ()) -> Tokenizer:
         """Rebuild a tokenizer that `export_files` wrote (weights never needed). Raises

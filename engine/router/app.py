@@ -154,7 +154,7 @@ class RouterApp:
         """The /ready body: what the operator reports in the CacheAwareRouting condition."""
         return {"ready": self.ready(), "policy": self.settings.policy,
                 "tokenizer": self.tokenizer.fingerprint if self.tokenizer is not None else None,
-                "tokenizer_problem": self.tokenizer_problem if self.tokenizer is None else None,
+                "tokenizer_problem": self.tokenizer_problem,
                 "mismatches": self._mismatches()}
 
     def _use_tokenizer(self, tokenizer: Any) -> None:

@@ -3,7 +3,7 @@
 A prefix-aware policy needs the engines' exact tokenizer: a router that cannot read the model
 (under the operator, a Volume or URI model is mounted by the engine pods only) asks a healthy
 engine for it instead of routing by load without saying so. The files travel as the engine's
-``Tokenizer.export_files`` and are rebuilt by ``Tokenizer.from_files``; the rebuilt tokenizer's
+``Tokenizer.to_payload`` and are rebuilt by ``Tokenizer.from_payload``; the rebuilt tokenizer's
 fingerprint must equal the one the engine announced, or it is refused.
 """
 
@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from typing import Any
-
 import aiohttp
 
 from kvmesh.engine.model.tokenizer import Tokenizer, TokenizerLoadError
@@ -23,20 +21,6 @@ log = logging.getLogger("kvmesh.router")
 
 class TokenizerFetchError(RuntimeError):
     """No engine gave a usable tokenizer; the message says what each one answered."""
-
-
-def tokenizer_from_payload(payload: Any) -> Tokenizer:
-    """The tokenizer in a ``/kv/tokenizer`` body; raises TokenizerLoadError on any malformed part."""
-    if not isinstance(payload, dict) or not isinstance(payload.get("files"), dict):
-        raise TokenizerLoadError("expected a JSON object with 'files' (name -> text)")
-    eos = payload.get("eos_token_ids") or []
-    if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
-        raise TokenizerLoadError("'eos_token_ids' must be a list of integers")
-    tok = Tokenizer.from_files(payload["files"], eos)
-    if tok.fingerprint != payload.get("fingerprint"):
-        raise TokenizerLoadError(f"the rebuilt tokenizer's fingerprint {tok.fingerprint[:12]} is not the "
-                                 f"announced {str(payload.get('fingerprint'))[:12]}")
-    return tok
 
 
 async def fetch_tokenizer(session: aiohttp.ClientSession, urls: Iterable[str],
@@ -51,7 +35,7 @@ async def fetch_tokenizer(session: aiohttp.ClientSession, urls: Iterable[str],
                     continue
                 payload = await r.json(content_type=None)
             # Loading takes a fraction of a second of Rust work: off the event loop.
-            return await asyncio.to_thread(tokenizer_from_payload, payload), url
+            return await asyncio.to_thread(Tokenizer.from_payload, payload), url
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TokenizerLoadError) as e:
             tried.append(f"{url}: {type(e).__name__}: {e}")
     raise TokenizerFetchError("no engine gave its tokenizer (" + ("; ".join(tried) or "no healthy engine") + ")")

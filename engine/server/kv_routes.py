@@ -4,7 +4,7 @@ engine's KV cache.
 ``/kv/snapshot`` is the resync point of the KV event stream (``event_wire.snapshot_to_json``);
 ``/kv/info`` tells a router how to compute the engine's block hash chain (including its
 tokenizer's fingerprint) and where the event stream is published; ``/kv/tokenizer`` ships the
-tokenizer itself (``Tokenizer.export_files``), so a router that cannot read the model (a Volume
+tokenizer itself (``Tokenizer.to_payload``), so a router that cannot read the model (a Volume
 or URI model it does not mount) tokenizes prompts exactly as the engines do. All answer 503
 (OpenAI error format) until the engine has loaded.
 """
@@ -67,15 +67,14 @@ def add_kv_routes(app: FastAPI, aengine: AsyncEngine, publisher: KVEventPublishe
     async def kv_snapshot() -> dict[str, Any]:
         return snapshot_to_json(loaded_engine().events.snapshot())
 
-    exported: list[dict[str, Any]] = []  # built once: a few MB of JSON, the same for the process's life
+    tokenizer_body: dict[str, Any] | None = None  # built once: a few MB of JSON, fixed for the process's life
 
     @app.get("/kv/tokenizer")
     async def kv_tokenizer() -> dict[str, Any]:
-        tok = loaded_engine().tokenizer
-        if not exported:
-            files = await asyncio.to_thread(tok.export_files)
-            exported[:] = [{"fingerprint": tok.fingerprint, "eos_token_ids": list(tok.eos_token_ids), "files": files}]
-        return exported[0]
+        nonlocal tokenizer_body
+        if tokenizer_body is None:
+            tokenizer_body = await asyncio.to_thread(loaded_engine().tokenizer.to_payload)
+        return tokenizer_body
 
     @app.get("/kv/info")
     async def kv_info_route() -> dict[str, Any]:

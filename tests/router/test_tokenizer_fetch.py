@@ -1,5 +1,5 @@
 """The tokenizer a router takes from an engine (GET /kv/tokenizer): both sides of the contract
-with the real code (the engine's `Tokenizer.export_files`, the router's `tokenizer_from_payload`)
+with the real code (`Tokenizer.to_payload` on the engine, `Tokenizer.from_payload` in the router)
 on the real default tokenizer, payloads from the network fuzzed, and a router that has no
 tokenizer is not ready (fake engines, which have none to give, over real TCP)."""
 
@@ -11,10 +11,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvmesh.engine.model.tokenizer import TokenizerLoadError
+from kvmesh.engine.model.tokenizer import Tokenizer, TokenizerLoadError
 from kvmesh.engine.router.app import RouterApp, RouterSettings
 from kvmesh.engine.router.cli import load_tokenizer
-from kvmesh.engine.router.tokenizer_fetch import tokenizer_from_payload
 
 from .fakes import FakeEngine, ServerThread
 
@@ -27,13 +26,11 @@ def engine_tokenizer():
 @pytest.fixture(scope="module")
 def payload(engine_tokenizer):
     # What the engine's /kv/tokenizer answers, through JSON as on the wire.
-    tok = engine_tokenizer
-    return json.loads(json.dumps({"fingerprint": tok.fingerprint, "eos_token_ids": list(tok.eos_token_ids),
-                                  "files": tok.export_files()}))
+    return json.loads(json.dumps(engine_tokenizer.to_payload()))
 
 
 def test_the_rebuilt_tokenizer_gives_the_engines_ids_for_chats_and_prompts(engine_tokenizer, payload):
-    got = tokenizer_from_payload(payload)
+    got = Tokenizer.from_payload(payload)
     assert got.fingerprint == engine_tokenizer.fingerprint and got.eos_token_ids == engine_tokenizer.eos_token_ids
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcode, emoji 🦔, tabs\tok?"}]
     assert got.apply_chat_template(chat) == engine_tokenizer.apply_chat_template(chat)
@@ -45,7 +42,7 @@ def test_a_payload_whose_files_do_not_match_its_fingerprint_is_refused(payload):
     files = dict(payload["files"])
     files["chat_template.jinja"] = "{{ messages[0]['content'] }}"  # another chat template
     with pytest.raises(TokenizerLoadError, match="fingerprint"):
-        tokenizer_from_payload({**payload, "files": files})
+        Tokenizer.from_payload({**payload, "files": files})
 
 
 @pytest.mark.parametrize("files", [
@@ -53,7 +50,7 @@ def test_a_payload_whose_files_do_not_match_its_fingerprint_is_refused(payload):
     {"tokenizer.model": "binary"}, {"tokenizer.json": 3}, {}])
 def test_file_sets_with_paths_other_suffixes_or_no_tokenizer_are_refused(files):
     with pytest.raises(TokenizerLoadError):
-        tokenizer_from_payload({"fingerprint": "x", "files": files})
+        Tokenizer.from_payload({"fingerprint": "x", "files": files})
 
 
 _names = st.sampled_from(["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -72,7 +69,7 @@ _json_text = st.recursive(st.none() | st.booleans() | st.integers() | st.text(ma
                            "files": st.dictionaries(_names, st.one_of(_json_text, st.text(max_size=20)), max_size=4)})))
 def test_any_malformed_payload_is_a_tokenizer_load_error_never_another_exception(body):
     with pytest.raises(TokenizerLoadError):
-        tokenizer_from_payload(body)
+        Tokenizer.from_payload(body)
 
 
 def test_a_prefix_policy_without_a_tokenizer_is_not_ready_and_says_why():
