@@ -5,7 +5,8 @@
 2. Decision cost of cache-aware routing: tokenize a chat prompt with the engines' own code
    (the default model's tokenizer and chat template), hash its blocks, look it up in an index
    holding 2 engines x 4096 blocks, run the policy. Prompt sizes 256, 1024, 4096 tokens.
-3. Added latency: the same tiny request direct to a fake engine and through the router
+3. Added latency: the same tiny request direct to a null engine (bench/null_engine.py: no
+   model, answers at once) and through the router
    (round-robin and cache-aware with a real tokenizer), alternating, p50 and p99.
 4. Streamed relay: 256-event streams (one event every 2 ms, so each is its own upstream read)
    through the round-robin router: the router thread's CPU time per relayed chunk, which is
@@ -22,21 +23,19 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.router.fakes
+import aiohttp
+import httpx
+import psutil
 
-import aiohttp  # noqa: E402
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-
-from kvmesh.engine.kv.events import KVSnapshot  # noqa: E402
-from kvmesh.engine.router.app import RouterApp, RouterSettings  # noqa: E402
-from kvmesh.engine.router.cli import load_tokenizer  # noqa: E402
-from kvmesh.engine.router.index import PrefixIndex  # noqa: E402
-from kvmesh.engine.router.policies import Endpoint, RouteRequest, build_policy  # noqa: E402
-from kvmesh.engine.router.prompt import CHAT, analyze  # noqa: E402
-from tests.router.fakes import EXTRA, Behavior, FakeEngine, ServerThread  # noqa: E402
+from kvmesh.engine.kv.events import KVSnapshot
+from kvmesh.engine.router.app import RouterApp, RouterSettings
+from kvmesh.engine.router.cli import load_tokenizer
+from kvmesh.engine.router.index import PrefixIndex
+from kvmesh.engine.router.policies import Endpoint, RouteRequest, build_policy
+from kvmesh.engine.router.prompt import CHAT, analyze
+from kvmesh.engine.util.asgi_thread import ServerThread
+from null_engine import EXTRA, NullEngine
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -157,7 +156,7 @@ def main() -> int:
     args = ap.parse_args()
     results: dict[str, object] = {}
     if not args.only_stream:
-        engine = ServerThread(FakeEngine("e")).start()
+        engine = ServerThread(NullEngine()).start()
         results["upstream_client"] = asyncio.run(bench_clients(engine.url, args.requests))
         tokenizer = load_tokenizer("default")
         results["decision_p50"] = bench_decision(tokenizer, 200)
@@ -169,7 +168,7 @@ def main() -> int:
             finally:
                 router.stop()
         engine.stop()
-    streamer = ServerThread(FakeEngine("s", Behavior(chunks=256, chunk_interval_s=0.002))).start()
+    streamer = ServerThread(NullEngine(chunks=256, interval_s=0.002)).start()
     router = ServerThread(RouterApp(RouterSettings(policy="round-robin", engines=(streamer.url,)))).start()
     try:
         results["streamed_relay_round-robin"] = bench_stream(streamer.url, router, args.stream_requests, 256)

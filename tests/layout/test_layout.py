@@ -89,3 +89,14 @@ def test_primary_kv_blocks_are_written_outside_the_forward_pass_in_two_places_on
     callers = sorted(str(p.relative_to(ROOT)) for p in ROOT.joinpath("engine").rglob("*.py")
                      if "scatter_blocks(" in p.read_text())
     assert callers == ["engine/engine.py", "engine/kv/gather.py", "engine/kv/tiers.py"], callers
+
+
+def test_benchmarks_never_import_the_tests():
+    """bench/ measures the product: a helper it needs lives in the package or in bench/ itself
+    (bench/null_engine.py), never in tests/, and nothing edits sys.path to reach tests/."""
+    import re
+
+    offenders = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "bench").glob("*.py"))
+                 for n, line in enumerate(p.read_text().splitlines(), 1)
+                 if re.match(r"\s*(from|import)\s+tests\b", line) or "# tests." in line]
+    assert offenders == []

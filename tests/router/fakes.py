@@ -4,22 +4,18 @@
 uses (/ready, /metrics, /kv/info, /v1/models, /v1/completions, /v1/chat/completions) with
 scripted behaviours: answer normally, answer a fixed status, die before or after the first
 stream chunk, or stream slowly and record that the client went away. It is served by a real
-uvicorn server on 127.0.0.1, so the router's upstream connections are real TCP connections.
+uvicorn server on 127.0.0.1 (``ServerThread``), so the router's upstream connections are real TCP
+connections.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
-
 from kvmesh.engine.block_hash import extra_key
-from kvmesh.engine.util.localproc import free_port
 
 EXTRA = extra_key("fake-model", "bfloat16")
 BLOCK_SIZE = 4
@@ -143,28 +139,3 @@ async def json_response(send: Any, status: int, doc: Any) -> None:
 async def _text(send: Any, status: int, text: str) -> None:
     await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
     await send({"type": "http.response.body", "body": text.encode()})
-
-
-class ServerThread:
-    """A uvicorn server for ``app`` on 127.0.0.1 in a background thread with its own loop."""
-
-    def __init__(self, app: Any, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="auto",
-                                loop="asyncio", http="httptools")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def start(self, timeout: float = 30) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"server on port {self.port} did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)

@@ -15,7 +15,9 @@ from kvmesh.engine.kv.events import KVSnapshot
 from kvmesh.engine.router.discovery import Fleet, chain_mismatch
 from kvmesh.engine.router.prompt import PromptInfo
 
-from .fakes import BLOCK_SIZE, EXTRA, FakeEngine, ServerThread
+from kvmesh.engine.util.asgi_thread import ServerThread
+
+from .fakes import BLOCK_SIZE, EXTRA, FakeEngine
 from .test_proxy import StubSubscriber
 
 EVENTS = {"endpoint": "tcp://127.0.0.1:1", "replay_endpoint": "tcp://127.0.0.1:2", "topic": "kv"}

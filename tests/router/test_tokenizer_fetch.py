@@ -15,7 +15,9 @@ from kvmesh.engine.model.tokenizer import Tokenizer, TokenizerLoadError
 from kvmesh.engine.router.app import RouterApp, RouterSettings
 from kvmesh.engine.router.cli import load_tokenizer
 
-from .fakes import FakeEngine, ServerThread
+from kvmesh.engine.util.asgi_thread import ServerThread
+
+from .fakes import FakeEngine
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,38 @@
+"""An ASGI app served by uvicorn on 127.0.0.1 in a background thread, for in-process use: the
+tests' fake engines and routers, and the benchmarks' upstreams. Real TCP, so whatever talks to
+it opens real connections."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from kvmesh.engine.util.localproc import free_port
+
+
+class ServerThread:
+    """uvicorn for ``app`` on its own thread and event loop; ``start`` returns once it listens."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="auto",
+                                loop="asyncio", http="httptools")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self, timeout: float = 30) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server on port {self.port} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
