@@ -99,7 +99,7 @@ class EngineConfig:
         0, "--cpu-kv-bytes", group=KV, type=parse_size, metavar="SIZE",
         help="host KV tier, e.g. 8GiB: blocks evicted from the KV pool are kept in host memory and loaded "
              "back on a prefix hit (default: off)")
-    cache_node: str | None = None  # the CLI's --cache-node or --cache-service (server/cli.py)
+    cache_node: str | None = None  # the CLI's --cache-node, checked in server/cli.py
     cache_node_timeout: float = setting(
         5.0, "--cache-node-timeout", group=KV, type=float, metavar="SECONDS",
         help="bound on one cache-node transfer; past it the blocks are recomputed (default: %(default)s)")

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmesh.engine.util import fleet_args as fa
 from kvmesh.engine.util.localproc import http_status, log_tail
 
 _LOG_TAIL_LINES = 30
@@ -121,35 +122,25 @@ def plan(opts: UpOptions, cores: int) -> list[ProcSpec]:
     # Each engine is told its thread count; the env keeps OpenMP/BLAS pools from oversubscribing.
     env = {"OMP_NUM_THREADS": str(threads)}
     specs: list[ProcSpec] = []
-    cache_args: list[str] = []
-    if opts.cache_node:
-        node = f"{opts.host}:{opts.cache_node_port}"
-        specs.append(ProcSpec("cache-node", ("cache-node", "--memory", opts.cache_node_memory, "--host", opts.host,
-                                             "--port", str(opts.cache_node_port),
-                                             "--ucx-port", str(opts.cache_node_port + 1)), f"http://{node}"))
-        cache_args = ["--cache-node", node]
-    if opts.cpu_kv_bytes:
-        cache_args += ["--cpu-kv-bytes", opts.cpu_kv_bytes]
+    node = f"{opts.host}:{opts.cache_node_port}" if opts.cache_node else None
+    if node:
+        specs.append(ProcSpec("cache-node", tuple(fa.cache_node_args(fa.CacheNodeLine(
+            opts.cache_node_memory, host=opts.host, port=opts.cache_node_port, ucx_port=opts.cache_node_port + 1))),
+            f"http://{node}"))
     urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     for i, (name, role) in enumerate(roles):
         port = opts.engine_base_port + i
-        args = ["serve", "--model", opts.model, "--host", opts.host, "--port", str(port),
-                "--num-threads", str(threads), "--kv-events-port", str(opts.kv_events_base_port + 2 * i)]
-        if role != "both":
-            args += ["--role", role]
-        if role == "decode":
-            args += ["--kv-transfer-port", str(transfer_port[i])]
-        if opts.kv_cache_bytes:
-            args += ["--kv-cache-bytes", opts.kv_cache_bytes]
-        args += cache_args
+        line = fa.EngineLine(role=role, model=opts.model, host=opts.host, port=port, num_threads=threads,
+                             kv_events_port=opts.kv_events_base_port + 2 * i,
+                             kv_transfer_port=transfer_port.get(i), kv_cache_bytes=opts.kv_cache_bytes,
+                             cache_node=node, cpu_kv_bytes=opts.cpu_kv_bytes, extra=tuple(opts.serve_args))
         url = f"http://{opts.host}:{port}"
         urls[role].append(url)
-        specs.append(ProcSpec(name, tuple(args + list(opts.serve_args)), url, env))
-    router = ["router", "--engines", ",".join(urls["decode"] or urls["both"])]
-    if urls["prefill"]:
-        router += ["--prefill-engines", ",".join(urls["prefill"])]
-    router += ["--policy", opts.policy, "--model", opts.model, "--host", opts.host, "--port", str(opts.port)]
-    specs.append(ProcSpec("router", tuple(router), f"http://{opts.host}:{opts.port}"))
+        specs.append(ProcSpec(name, tuple(fa.serve_args(line)), url, env))
+    prefill = fa.Pool(urls=tuple(urls["prefill"])) if urls["prefill"] else None
+    router = fa.RouterLine(decode=fa.Pool(urls=tuple(urls["decode"] or urls["both"])), prefill=prefill,
+                           policy=opts.policy, model=opts.model, host=opts.host, port=opts.port)
+    specs.append(ProcSpec("router", tuple(fa.router_args(router)), f"http://{opts.host}:{opts.port}"))
     return specs
 
 

@@ -27,6 +27,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from kvmesh.engine.util import fleet_args as fa
+
 from . import spec as s
 from .autoscaler import autoscaled_pools, effective_replicas
 from .quantity import add_bytes, format_bytes, parse_quantity
@@ -197,40 +199,31 @@ def drain_timeout_s(c: s.Component) -> int:
 
 
 def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[str]:
-    """The `kvmesh ...` command line a pool's container runs."""
-    common = ["--host", "0.0.0.0", "--port", str(ENGINE_PORT),
-              "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+    """The `kvmesh ...` command line a pool's container runs (engine/util/fleet_args.py renders
+    it, as for `kvmesh up`)."""
+    common = {"host": "0.0.0.0", "port": ENGINE_PORT, "config": f"{CONFIG_DIR}/{CONFIG_FILE}"}
+    cache = _endpoint(owner, "cache") if spec.cache.replicas > 0 else None
     if component in ("prefill", "decode"):
         role = "both" if component == "decode" and spec.colocated else component
-        args = ["kvmesh", "serve", "--role", role, "--model", spec.model.name]
-        if spec.model.source_type == "Volume":
-            args += ["--model-path", _model_path(spec)]
-        elif spec.model.source_type == "URI":
-            args += ["--model-uri", str(spec.model.uri)]
-        if spec.model.format != "Auto":
-            args += ["--model-format", spec.model.format.lower()]
-        # Always given, default included: the pods run what the CR says whatever the engine's
-        # default. Only the engine pools read it (not kvmesh.yaml), so a change rolls only them.
-        args += ["--dtype", spec.model.dtype]
-        if spec.cache.replicas > 0:
-            args += ["--cache-service", _endpoint(owner, "cache")]
-        args += ["--kv-events-port", str(KV_EVENTS_PORT),
-                 "--drain-timeout", str(drain_timeout_s(spec.component(component)))]
-        if role == "decode":
-            args += ["--kv-transfer-port", str(KV_TRANSFER_PORT)]
-        return args + common
+        line = fa.EngineLine(
+            role=role, model=spec.model.name,
+            model_path=_model_path(spec) if spec.model.source_type == "Volume" else None,
+            model_uri=str(spec.model.uri) if spec.model.source_type == "URI" else None,
+            model_format=spec.model.format.lower() if spec.model.format != "Auto" else None,
+            # Always given, default included: the pods run what the CR says whatever the engine's
+            # default. Only the engine pools read it (not kvmesh.yaml), so a change rolls only them.
+            dtype=spec.model.dtype, cache_node=cache, kv_events_port=KV_EVENTS_PORT,
+            kv_transfer_port=KV_TRANSFER_PORT if role == "decode" else None,
+            drain_timeout_s=drain_timeout_s(spec.component(component)), **common)
+        return ["kvmesh", *fa.serve_args(line)]
     if component == "cache":
-        return ["kvmesh", "cache-node", "--memory", str(spec.cache.memory),
-                "--ucx-port", str(CACHE_UCX_PORT)] + common
+        return ["kvmesh", *fa.cache_node_args(fa.CacheNodeLine(str(spec.cache.memory), ucx_port=CACHE_UCX_PORT,
+                                                               **common))]
     if component == "router":
-        args = ["kvmesh", "router", "--policy", str(spec.router.policy),
-                "--model", spec.model.name]
-        if not spec.colocated:
-            args += ["--prefill-service", _endpoint(owner, "prefill")]
-        args += ["--decode-service", _endpoint(owner, "decode")]
-        if spec.cache.replicas > 0:
-            args += ["--cache-service", _endpoint(owner, "cache")]
-        return args + common
+        prefill = None if spec.colocated else fa.Pool(service=_endpoint(owner, "prefill"))
+        return ["kvmesh", *fa.router_args(fa.RouterLine(
+            decode=fa.Pool(service=_endpoint(owner, "decode")), prefill=prefill, policy=str(spec.router.policy),
+            model=spec.model.name, cache_node=cache, **common))]
     raise ValueError(f"unknown component {component!r}; expected one of {s.COMPONENTS}")
 
 

@@ -102,7 +102,8 @@ def test_disaggregated_plan_starts_prefill_then_decode_engines_behind_a_two_stag
 
     settings = settings_from_args(parser.parse_args(list(router.args)))
     assert settings.disaggregated and settings.prefill_engines == ("http://127.0.0.1:9100",)
-    assert "--role" not in plan(UpOptions(engines=1), cores=2)[0].args  # colocated engines keep the default
+    args = plan(UpOptions(engines=1), cores=2)[0].args
+    assert args[args.index("--role") + 1] == "both"  # colocated engines
 
 
 def test_threads_split_over_every_engine_of_both_pools() -> None:

@@ -48,8 +48,9 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                         "(`--role decode`); see docs/disagg.md")
     d.add_argument("--prefill-engines", default=None, metavar="URL,...",
                    help="fixed prefill engine list (the --prefill-service of a local setup)")
-    d.add_argument("--cache-service", default=None, metavar="HOST:PORT",
-                   help="KV cache node Service (accepted; remote-tier hits arrive as KV events)")
+    d.add_argument("--cache-node", "--cache-service", dest="cache_node", default=None, metavar="HOST:PORT",
+                   help="the engines' cache node (or headless Service of them); accepted for the same command "
+                        "vocabulary as `kvmesh serve`: remote-tier hits arrive as the engines' KV events")
     d.add_argument("--resolve-interval-s", type=float, default=5.0, metavar="SECONDS")
     d.add_argument("--health-interval-s", type=float, default=2.0, metavar="SECONDS")
     d.add_argument("--sync-timeout-s", type=float, default=60.0, metavar="SECONDS",
@@ -135,8 +136,8 @@ def settings_from_args(args: argparse.Namespace):  # -> RouterSettings
                            if args.prefill_engines else ())
         prefill_services = ((parse_hostport(args.prefill_service, "--prefill-service"),)
                             if args.prefill_service else ())
-        if args.cache_service:
-            parse_hostport(args.cache_service, "--cache-service")
+        if args.cache_node:
+            parse_hostport(args.cache_node, "--cache-node")
     except DiscoveryError as e:
         raise RouterArgsError(str(e)) from None
     if not engines and not services:

@@ -38,15 +38,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="name(s) clients use in 'model' (repeatable; default: the model's own name)")
     groups = {MODEL: m, KV: p.add_argument_group(KV), SERVER: p.add_argument_group(SERVER)}
     add_options(p, EngineConfig, groups)
-    groups[KV].add_argument("--cache-node", default=None, metavar="HOST:PORT",
+    groups[KV].add_argument("--cache-node", "--cache-service", dest="cache_node", default=None, metavar="HOST:PORT",
                             help="a cache node's HTTP address (or a headless Service of cache nodes): computed "
-                                 "blocks are written through to it and reloaded from it instead of recomputed")
+                                 "blocks are written through to it and reloaded from it instead of recomputed "
+                                 "(--cache-service: the same, an older name)")
     add_options(p, ServeSettings, groups)
     s = groups[SERVER]
     add_max_request_bytes(s, DEFAULT_MAX_REQUEST_BYTES)
-    s.add_argument("--cache-service", default=None, metavar="HOST:PORT",
-                   help="the same as --cache-node (the name the operator renders: the cache nodes' headless "
-                        "Service and HTTP port)")
     s.add_argument("--kv-events-host", default=None, metavar="ADDR",
                    help="address the KV event sockets bind (default: --host)")
 
@@ -89,19 +87,15 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, list[str]]:
 
 
 def _cache_node(args: argparse.Namespace) -> str | None:
-    """--cache-node, or the operator's --cache-service (they name the same thing)."""
-    node, service = args.cache_node, args.cache_service
-    if node and service and node != service:
-        raise ServeArgsError(f"--cache-node {node} and --cache-service {service} disagree; give one")
-    address = node or service
-    if address:
+    """--cache-node (or its older name --cache-service), checked to be HOST:PORT."""
+    if args.cache_node:
         from kvmesh.engine.kv.node_link import CacheNodeAddressError, parse_host_port
 
         try:
-            parse_host_port(address)
+            parse_host_port(args.cache_node)
         except CacheNodeAddressError as e:
             raise ServeArgsError(str(e)) from None
-    return address
+    return args.cache_node
 
 
 def settings_from_args(args: argparse.Namespace):  # -> ServeSettings

@@ -3,7 +3,7 @@
 The same setting as test_real_pods.py (the kvmesh image on a real kubelet, requests through the
 router Service by `kubectl port-forward` or to one pod through the API server's pod proxy,
 transformers' fp32 greedy tokens as the reference, nothing faked), with a colocated pool of two
-engine pods, one cache node (`kvmesh cache-node`; the engines run `--cache-service`) and the
+engine pods, one cache node (`kvmesh cache-node`; the engines run `--cache-node`) and the
 autoscaler on:
 
 - KV written through by one engine pod to the cache node is reloaded by the other pod, over UCX
@@ -74,7 +74,7 @@ def test_engines_and_router_are_given_the_cache_service(cluster, deployment):
     for component in ("decode", "router"):
         for pod in ready_pods(cluster, deployment, NAME, component):
             args = pod.spec.containers[0].args
-            assert args[args.index("--cache-service") + 1].startswith(f"{NAME}-cache."), args
+            assert args[args.index("--cache-node") + 1].startswith(f"{NAME}-cache."), args
     (node,) = ready_pods(cluster, deployment, NAME, "cache")
     assert node.spec.containers[0].args[:1] == ["cache-node"]
 

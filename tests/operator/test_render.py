@@ -56,7 +56,7 @@ def test_role_arguments(cr):
     assert router[router.index("--decode-service") + 1] == "llm-decode.serving.svc:8000"
     for c in ("prefill", "decode"):
         args = argv(objs, c)
-        assert args[args.index("--cache-service") + 1] == "llm-cache.serving.svc:8000"
+        assert args[args.index("--cache-node") + 1] == "llm-cache.serving.svc:8000"
 
 
 def test_colocated_serving_runs_both_phases_on_decode():
@@ -76,7 +76,7 @@ def test_no_cache_nodes_means_no_cache_service_argument():
     cr["spec"]["cache"]["replicas"] = 0
     objs = r.render_all(cr)
     for c in ("prefill", "decode", "router"):
-        assert "--cache-service" not in argv(objs, c)
+        assert "--cache-node" not in argv(objs, c)
 
 
 def test_gpu_pools_get_gpu_limits_and_tolerate_the_gpu_taint(cr):
@@ -238,7 +238,7 @@ def test_disaggregated_decode_engines_listen_for_kv_on_an_exposed_port(cr):
 
 
 def test_cache_nodes_expose_their_ucx_port(cr):
-    """Engines reach a cache node's HTTP port through --cache-service and read the UCX port from its
+    """Engines reach a cache node's HTTP port through --cache-node and read the UCX port from its
     /kv/info: the container and the headless Service must carry that port too."""
     from kvmesh.cli import build_parser
     from kvmesh.engine.cachenode.cli import settings_from_args
@@ -254,7 +254,7 @@ def test_cache_nodes_expose_their_ucx_port(cr):
                                                                                "ucx": (8001, "ucx")}
     assert svc["clusterIP"] == "None"
     engine_args = argv(objs, "decode")
-    assert engine_args[engine_args.index("--cache-service") + 1] == "llm-cache.serving.svc:8000"
+    assert engine_args[engine_args.index("--cache-node") + 1] == "llm-cache.serving.svc:8000"
 
 
 def test_configmap_carries_the_autoscaler_bounds_per_resized_pool():

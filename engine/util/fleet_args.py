@@ -1,0 +1,101 @@
+"""The command line of each fleet role, from what it must know: one renderer for both places that
+start a fleet (`kvmesh up` on this machine, the operator's pods), with one flag vocabulary.
+
+Pure: a role's settings in, `kvmesh` arguments out (without the program). Every line is parsed by
+the real CLI in the tests (tests/router/test_rendered_command_lines.py, tests/test_up.py), so a
+flag renamed in a parser and not here fails there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineLine:
+    """`kvmesh serve`. None leaves a flag out (the engine's default)."""
+
+    role: str = "both"
+    model: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_path: str | None = None
+    model_uri: str | None = None
+    model_format: str | None = None  # "gguf" or "safetensors"
+    dtype: str | None = None
+    cache_node: str | None = None  # HOST:PORT of a cache node (or a headless Service of them)
+    cpu_kv_bytes: str | None = None
+    kv_cache_bytes: str | None = None
+    num_threads: int | None = None
+    kv_events_port: int | None = None
+    kv_transfer_port: int | None = None  # decode role
+    drain_timeout_s: int | None = None
+    config: str | None = None
+    extra: tuple[str, ...] = ()  # appended as given (`kvmesh up --serve-arg`)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Where a router finds a pool's engines: fixed base URLs, or a headless Service (HOST:PORT)
+    whose DNS name resolves to one address per ready pod."""
+
+    urls: tuple[str, ...] = ()
+    service: str | None = None
+
+
+@dataclass(frozen=True)
+class RouterLine:
+    """`kvmesh router`; ``prefill`` turns on two-stage (prefill/decode) serving."""
+
+    decode: Pool
+    prefill: Pool | None = None
+    policy: str = "cache-aware"
+    model: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    cache_node: str | None = None
+    config: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheNodeLine:
+    """`kvmesh cache-node`: HTTP on ``port``, block transfers (UCX) on ``ucx_port``."""
+
+    memory: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    ucx_port: int = 8001
+    config: str | None = None
+
+
+def _opt(flag: str, value: object | None) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
+def serve_args(e: EngineLine) -> list[str]:
+    return ["serve", "--role", e.role, "--model", e.model,
+            *_opt("--model-path", e.model_path), *_opt("--model-uri", e.model_uri),
+            *_opt("--model-format", e.model_format), *_opt("--dtype", e.dtype),
+            *_opt("--cache-node", e.cache_node), *_opt("--cpu-kv-bytes", e.cpu_kv_bytes),
+            *_opt("--kv-cache-bytes", e.kv_cache_bytes), *_opt("--num-threads", e.num_threads),
+            *_opt("--kv-events-port", e.kv_events_port), *_opt("--kv-transfer-port", e.kv_transfer_port),
+            *_opt("--drain-timeout", e.drain_timeout_s),
+            "--host", e.host, "--port", str(e.port), *_opt("--config", e.config), *e.extra]
+
+
+def _pool(p: Pool, urls_flag: str, service_flag: str) -> list[str]:
+    if bool(p.urls) == bool(p.service):
+        raise ValueError(f"a pool is either engine URLs or a Service, not {p}")
+    return [urls_flag, ",".join(p.urls)] if p.urls else [service_flag, str(p.service)]
+
+
+def router_args(r: RouterLine) -> list[str]:
+    return ["router", "--policy", r.policy, "--model", r.model,
+            *(_pool(r.prefill, "--prefill-engines", "--prefill-service") if r.prefill else []),
+            *_pool(r.decode, "--engines", "--decode-service"), *_opt("--cache-node", r.cache_node),
+            "--host", r.host, "--port", str(r.port), *_opt("--config", r.config)]
+
+
+def cache_node_args(c: CacheNodeLine) -> list[str]:
+    return ["cache-node", "--memory", c.memory, "--ucx-port", str(c.ucx_port),
+            "--host", c.host, "--port", str(c.port), *_opt("--config", c.config)]
