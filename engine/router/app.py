@@ -7,13 +7,14 @@ until the engine has produced a first byte (so retries stay invisible to the cli
 Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /ready, /metrics.
 
 With a prefill pool configured (``RouterSettings.disaggregated``) generation requests run in two
-stages (engine/router/disagg.py); without one, each goes to one engine of the pool as is.
+stages (engine/router/disagg.py); without one, each goes to one engine of the pool as is
+(``Dispatcher.serve_plain``). Both flows call down into the one ``Dispatcher``
+(engine/router/dispatch.py), which owns the pools and does every pick and relay.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import time
@@ -26,10 +27,11 @@ import aiohttp
 
 from kvmesh.engine.router import proxy
 from kvmesh.engine.router.disagg import FALLBACK_REASONS, STAGE1_OUTCOMES, TwoStageRouter
-from kvmesh.engine.router.discovery import EngineState, Fleet, ServiceSource
+from kvmesh.engine.router.discovery import Fleet, ServiceSource
+from kvmesh.engine.router.dispatch import Dispatcher
 from kvmesh.engine.router.metrics import PDMetrics, RouterMetrics
-from kvmesh.engine.router.policies import LoadModel, Policy, RouteRequest, build_policy, uses_prefix
-from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, PromptInfo, analyze, matched_tokens
+from kvmesh.engine.router.policies import LoadModel, build_policy, uses_prefix
+from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, analyze
 from kvmesh.engine.router.proxy import all_engines_down
 from kvmesh.engine.router.sessions import SessionTable, session_key
 from kvmesh.engine.router.slo import ClientClock
@@ -100,21 +102,33 @@ class RouterApp:
         self.sessions = SessionTable(idle_s=settings.session_idle_s)
         self._fleet_factory = fleet_factory or self._default_fleet
         self._prefill_fleet_factory = prefill_fleet_factory or self._default_prefill_fleet
-        self.fleet: Fleet | None = None  # the decode (or colocated) pool
-        self.prefill_fleet: Fleet | None = None  # only when disaggregated
-        self.session: aiohttp.ClientSession | None = None
-        self._turn = itertools.count()
         self.metrics = RouterMetrics(settings.policy, lambda: self.fleet.num_healthy() if self.fleet else 0,
                                      self._index_sizes, self._mismatches)
+        self.dispatch = Dispatcher(settings, self.policy, self.sessions, self.metrics, aiohttp.ClientTimeout(
+            total=None, connect=settings.connect_timeout_s, sock_read=None))
         self.two_stage: TwoStageRouter | None = None
         self._bounded = BodyLimit(self._serve_http, settings.max_request_bytes)
         if settings.disaggregated:
             pd = PDMetrics(self.metrics.registry,
                            lambda: self.prefill_fleet.num_healthy() if self.prefill_fleet else 0,
                            lambda: self.two_stage.queued if self.two_stage else 0, STAGE1_OUTCOMES, FALLBACK_REASONS)
-            self.two_stage = TwoStageRouter(self, pd)
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s, sock_read=None)
+            self.two_stage = TwoStageRouter(self.dispatch, pd)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="router-tokenize")
+
+    # The pools and the HTTP session live on the dispatcher (set at startup); read here.
+    @property
+    def fleet(self) -> Fleet | None:
+        """The decode (or colocated) pool."""
+        return self.dispatch.fleet
+
+    @property
+    def prefill_fleet(self) -> Fleet | None:
+        """The prefill pool, only when disaggregated."""
+        return self.dispatch.prefill_fleet
+
+    @property
+    def session(self) -> aiohttp.ClientSession | None:
+        return self.dispatch.session
 
     def _default_fleet(self, session: aiohttp.ClientSession) -> Fleet:
         s = self.settings
@@ -182,11 +196,12 @@ class RouterApp:
     # ---- lifecycle -----------------------------------------------------------------------
     async def startup(self) -> None:
         # One pooled connector for every engine; no per-host cap (the engines queue, not us).
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
-                                             auto_decompress=False)
-        self.fleet = self._fleet_factory(self.session)
+        d = self.dispatch
+        d.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
+                                          auto_decompress=False)
+        d.fleet = self._fleet_factory(d.session)
         if self.settings.disaggregated:
-            self.prefill_fleet = self._prefill_fleet_factory(self.session)
+            d.prefill_fleet = self._prefill_fleet_factory(d.session)
         await asyncio.gather(*(f.start() for f in self._fleets()))
         if self.tokenizer is not None:
             self._use_tokenizer(self.tokenizer)
@@ -264,7 +279,7 @@ class RouterApp:
             if not ep.healthy:
                 continue
             try:
-                async with self.session.get(ep.id + path, timeout=self._timeout) as r:
+                async with self.session.get(ep.id + path, timeout=self.dispatch.timeout) as r:
                     body = await r.read()
                     await proxy.send_json(send, r.status, body)
                     return
@@ -274,36 +289,6 @@ class RouterApp:
         raise all_engines_down(tried)
 
     # ---- generation ----------------------------------------------------------------------
-    def decide(self, info: PromptInfo, session: str | None, exclude: frozenset[str],
-               now: float) -> tuple[str | None, int]:
-        """(engine URL or None, predicted cached prompt tokens on it) over the decode pool."""
-        assert self.fleet is not None
-        return self.choose(self.fleet, self.policy, info, session, exclude, now)
-
-    def choose(self, fleet: Fleet, policy: Policy, info: PromptInfo, session: str | None,
-               exclude: frozenset[str], now: float, receiving_only: bool = False,
-               turn: int | None = None) -> tuple[str | None, int]:
-        """(engine URL or None, predicted cached prompt tokens on it) for ``policy`` over ``fleet``.
-
-        ``receiving_only`` keeps the engines that report a KV transfer port (decode engines);
-        ``turn`` rotates ties (default: the router's own counter; a pool picked in step with
-        another needs its own, or ties would rotate in lockstep and always land on one engine).
-        A session is bound to the engine chosen for it.
-        """
-        if receiving_only:
-            endpoints = [st.endpoint() for st in fleet.engines.values() if st.transfer_port is not None]
-        else:
-            endpoints = fleet.endpoints()
-        matches, block_size = fleet.prefix_matches(info)
-        target = self.sessions.target(session, now) if session else None
-        req = RouteRequest(info.num_prompt_tokens, block_size, matches, session, target, exclude)
-        chosen = policy.choose(req, endpoints, next(self._turn) if turn is None else turn)
-        if chosen is not None and session:
-            self.sessions.bind(session, chosen, now)
-        m = matches.get(chosen) if chosen else None
-        predicted = matched_tokens(m.blocks, block_size, len(info.token_ids)) if m and info.token_ids else 0
-        return chosen, predicted
-
     async def _generate(self, scope: dict[str, Any], receive: Callable[[], Any], send: proxy.Send,
                         path: str) -> None:
         body = await _read_body(receive)
@@ -343,85 +328,9 @@ class RouterApp:
             if self.two_stage is not None:
                 await self.two_stage.serve(info, body, headers, send, path, session, t0)
             else:
-                await self._serve_plain(info, body, headers, send, path, session, t0)
+                await self.dispatch.serve_plain(info, body, headers, send, path, session, t0)
         finally:
             self.metrics.observe_client(clock)
-
-    async def _serve_plain(self, info: PromptInfo, body: bytes, headers: dict[str, str], send: proxy.Send,
-                           path: str, session: str | None, t0: float, observe_decision: bool = True) -> None:
-        """The request as is on one engine of the decode (or colocated) pool, retried on others
-        (``observe_decision``: False when the two-stage flow already timed this request's decision)."""
-        assert self.fleet is not None
-        exclude: set[str] = set()
-        tried: list[str] = []
-        last_retry: proxy.Retry | None = None
-        for attempt_no in range(self.settings.max_attempts):
-            url, predicted = self.decide(info, session, frozenset(exclude), time.monotonic())
-            if attempt_no == 0 and observe_decision:
-                self.metrics.decision.observe(time.perf_counter() - t0)
-            if url is None:
-                break
-            result = await self._attempt(self.fleet.engines.get(url), url, path, body, headers, send, info,
-                                         predicted)
-            if isinstance(result, proxy.Done):
-                return
-            exclude.add(url)
-            tried.append(f"{url}: {result.detail}")
-            last_retry = result
-            self.metrics.retries.labels(result.reason).inc()
-            if result.engine_down:
-                self.fleet.mark_failed(url, result.detail)
-        if last_retry is not None and last_retry.status == 429:
-            # Every engine is busy: their own answer (with Retry-After) says it best.
-            await proxy.send_json(send, 429, last_retry.body, [h for h in last_retry.headers
-                                                               if h[0] != b"content-type"])
-        else:
-            await proxy.send_error(send, all_engines_down(tried))
-        self.metrics.count("none", "unavailable")
-
-    async def _attempt(self, state: EngineState | None, url: str, path: str, body: bytes,
-                       headers: dict[str, str], send: proxy.Send, info: PromptInfo, predicted: int, *,
-                       uncached: int | None = None, ttft_extra_s: float = 0.0,
-                       retry_statuses: frozenset[int] = proxy.RETRY_STATUSES) -> proxy.Retry | proxy.Done:
-        """One relay to ``url``. ``uncached``: prompt tokens the engine must compute (default: the
-        prompt less ``predicted``); ``ttft_extra_s``: time already spent upstream for this answer
-        (stage 1), counted into the TTFT metric."""
-        if uncached is None:
-            uncached = max(0, info.num_prompt_tokens - predicted)
-        pending = [uncached]  # prefill tokens still queued on the engine by this request
-
-        def first_byte(seconds: float) -> None:
-            self.metrics.ttft.observe(seconds + ttft_extra_s)
-            if state is not None:
-                state.queued_prefill_tokens -= pending[0]
-            pending[0] = 0
-
-        def engine_failed(why: str) -> None:
-            if self.fleet is not None:
-                self.fleet.mark_failed(url, why)
-
-        if state is not None:
-            state.inflight += 1
-            state.queued_prefill_tokens += uncached
-        outcome = "aborted"
-        try:
-            result = await proxy.attempt(self.session, url + path, body, headers, send,
-                                         proxy.Hooks(first_byte, engine_failed), self._timeout, retry_statuses)
-            if isinstance(result, proxy.Done):
-                outcome = result.outcome
-                if result.cached_tokens is not None and info.token_ids is not None \
-                        and len(info.token_ids) == info.num_prompt_tokens:
-                    self.metrics.cached_error.observe(predicted - result.cached_tokens)
-            else:
-                outcome = ""
-            return result
-        finally:
-            if state is not None:
-                state.inflight -= 1
-                state.queued_prefill_tokens -= pending[0]
-            if outcome:
-                self.metrics.count(url, outcome)
-
 
 _GET_ROUTES = frozenset({"/health", "/ready", "/metrics", "/v1/models"})
 

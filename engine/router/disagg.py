@@ -62,7 +62,7 @@ from kvmesh.engine.router.prompt import COMPLETIONS, PromptInfo
 from kvmesh.engine.api.errors import APIError
 
 if TYPE_CHECKING:
-    from kvmesh.engine.router.app import RouterApp
+    from kvmesh.engine.router.dispatch import Dispatcher
     from kvmesh.engine.router.metrics import PDMetrics
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
@@ -298,10 +298,10 @@ class TwoStageRouter:
     exceeds ``pd_max_queued``.
     """
 
-    def __init__(self, app: RouterApp, metrics: PDMetrics) -> None:
-        self.app = app
+    def __init__(self, dispatch: Dispatcher, metrics: PDMetrics) -> None:
+        self.dispatch = dispatch
         self.metrics = metrics
-        self.decode_policy = build_decode_policy(app.settings.policy, app.settings.load)
+        self.decode_policy = build_decode_policy(dispatch.settings.policy, dispatch.settings.load)
         self.queued = 0
         self._decode_turn = itertools.count()  # ties rotate per pool, not in step with the prefill picks
 
@@ -321,27 +321,27 @@ class TwoStageRouter:
 
     async def _run(self, st: Attempts, prepared: PreparedBody, info: PromptInfo, body: bytes,
                    headers: dict[str, str], send: proxy.Send, path: str, session: str | None, t0: float) -> None:
-        app, s = self.app, self.app.settings
-        assert app.fleet is not None and app.prefill_fleet is not None
+        d, s = self.dispatch, self.dispatch.settings
+        assert d.fleet is not None and d.prefill_fleet is not None
         decided = False
         while True:
             now = time.monotonic()
-            prefill_url, predicted = (None, 0) if st.prefill_failures >= s.max_attempts else app.choose(
-                app.prefill_fleet, app.policy, info, session, frozenset(st.prefill_excluded), now)
+            prefill_url, predicted = (None, 0) if st.prefill_failures >= s.max_attempts else d.choose(
+                d.prefill_fleet, d.policy, info, session, frozenset(st.prefill_excluded), now)
             if prefill_url is None:
                 if st.prefill_busy is not None:  # every prefill engine is busy: their 429 says it best
                     busy = st.prefill_busy
                     await proxy.send_json(send, 429, busy.body, [h for h in busy.headers if h[0] != b"content-type"])
-                    app.metrics.count("none", "unavailable")
+                    d.metrics.count("none", "unavailable")
                     return
                 reason = "prefill_failed" if st.prefill_failures else "no_prefill"
                 await self._fallback(reason, info, body, headers, send, path, t0, decided)
                 return
-            decode_url, _ = (None, 0) if st.decode_failures >= s.max_attempts else app.choose(
-                app.fleet, self.decode_policy, info, None, frozenset(st.decode_excluded | st.refused), now,
+            decode_url, _ = (None, 0) if st.decode_failures >= s.max_attempts else d.choose(
+                d.fleet, self.decode_policy, info, None, frozenset(st.decode_excluded | st.refused), now,
                 receiving_only=True, turn=next(self._decode_turn))
             if not decided:
-                app.metrics.decision.observe(time.perf_counter() - t0)
+                d.metrics.decision.observe(time.perf_counter() - t0)
                 decided = True
             if decode_url is None:
                 if st.refused and st.decode_failures < s.max_attempts:
@@ -350,13 +350,13 @@ class TwoStageRouter:
                         st.refused.clear()
                         continue
                     await proxy.send_error(send, err)
-                elif not st.tried and not any(e.transfer_port for e in app.fleet.engines.values() if e.healthy) \
-                        and app.fleet.num_healthy():
+                elif not st.tried and not any(e.transfer_port for e in d.fleet.engines.values() if e.healthy) \
+                        and d.fleet.num_healthy():
                     await self._fallback("decode_not_receiving", info, body, headers, send, path, t0, decided)
                     return
                 else:
                     await proxy.send_error(send, proxy.all_engines_down(st.tried))
-                app.metrics.count("none", "unavailable")
+                d.metrics.count("none", "unavailable")
                 return
             if await self._attempt(st, prepared, info, headers, send, path, prefill_url, decode_url, predicted):
                 return
@@ -365,10 +365,10 @@ class TwoStageRouter:
                        send: proxy.Send, path: str, prefill_url: str, decode_url: str, predicted: int) -> bool:
         """Stage 1 then (on success) stage 2 on one (prefill, decode) pair; True when the client
         has its answer, False to go round again with ``st`` updated."""
-        app = self.app
-        assert app.fleet is not None and app.prefill_fleet is not None
-        decode = app.fleet.engines.get(decode_url)
-        prefill = app.prefill_fleet.engines.get(prefill_url)
+        d = self.dispatch
+        assert d.fleet is not None and d.prefill_fleet is not None
+        decode = d.fleet.engines.get(decode_url)
+        prefill = d.prefill_fleet.engines.get(prefill_url)
         if decode is None or decode.transfer_port is None:  # left the pool since the pick
             st.decode_excluded.add(decode_url)
             return False
@@ -382,14 +382,14 @@ class TwoStageRouter:
             t = ans.transfer or {}
             self.metrics.blocks_sent.inc(_non_negative(t.get("blocks_sent")))
             self.metrics.decode_hit_blocks.inc(_non_negative(t.get("decode_hit_blocks")))
-            result = await app._attempt(decode, decode_url, path, prepared.with_params({"transfer_id": transfer_id}),
+            result = await d.attempt(decode, decode_url, path, prepared.with_params({"transfer_id": transfer_id}),
                                         headers, send, info, predicted, uncached=0, ttft_extra_s=elapsed,
                                         retry_statuses=STAGE2_RETRY_STATUSES)
             if isinstance(result, proxy.Done):
                 return True
             if result.status == 409 and error_code(result.body) != TRANSFER_NOT_FOUND:
                 await proxy.send_json(send, 409, result.body, [h for h in result.headers if h[0] != b"content-type"])
-                app.metrics.count(decode_url, "client_error")
+                d.metrics.count(decode_url, "client_error")
                 return True
             reason = TRANSFER_NOT_FOUND if result.status == 409 else result.reason
             self.metrics.restarts.labels(reason).inc()
@@ -397,13 +397,13 @@ class TwoStageRouter:
             st.decode_failures += 1
             st.tried.append(f"decode {decode_url}: {result.detail}")
             if result.engine_down:
-                app.fleet.mark_failed(decode_url, result.detail)
+                d.fleet.mark_failed(decode_url, result.detail)
         elif ans.kind == NO_ROOM:
             self.metrics.refusals.labels(decode_url).inc()
             st.refused.add(decode_url)
         elif ans.kind in (DECODE_FAILED, DECODE_REFUSED):
             if ans.kind == DECODE_FAILED:  # a refusal comes from a healthy engine: only this request avoids it
-                app.fleet.mark_failed(decode_url, f"{ans.detail}, reported by {prefill_url}")
+                d.fleet.mark_failed(decode_url, f"{ans.detail}, reported by {prefill_url}")
             st.decode_excluded.add(decode_url)
             st.decode_failures += 1
             st.tried.append(f"decode {decode_url}: {ans.detail}")
@@ -414,10 +414,10 @@ class TwoStageRouter:
             if ans.status == 429:
                 st.prefill_busy = ans
             if ans.engine_down:
-                app.prefill_fleet.mark_failed(prefill_url, ans.detail)
+                d.prefill_fleet.mark_failed(prefill_url, ans.detail)
         else:  # RELAY: the request itself is the problem; the engine's answer says why
             await proxy.send_json(send, ans.status, ans.body, [h for h in ans.headers if h[0] != b"content-type"])
-            app.metrics.count(prefill_url, "client_error" if ans.status < 500 else "upstream_error")
+            d.metrics.count(prefill_url, "client_error" if ans.status < 500 else "upstream_error")
             return True
         return False
 
@@ -425,7 +425,7 @@ class TwoStageRouter:
                       headers: dict[str, str], transfer_id: str, uncached: int) -> tuple[Stage1Answer, float]:
         """Stage 1 with the load accounting it implies: the prefill engine holds ``uncached``
         prompt tokens of work and the decode engine one request until the answer."""
-        app = self.app
+        d = self.dispatch
         if prefill is not None:
             prefill.inflight += 1
             prefill.queued_prefill_tokens += uncached
@@ -433,8 +433,8 @@ class TwoStageRouter:
         start = time.perf_counter()
         ans: Stage1Answer | None = None
         try:
-            assert app.session is not None
-            ans = await post_stage1(app.session, url + path, body, headers, app._timeout, transfer_id)
+            assert d.session is not None
+            ans = await post_stage1(d.session, url + path, body, headers, d.timeout, transfer_id)
             return ans, time.perf_counter() - start
         finally:
             if prefill is not None:
@@ -442,7 +442,7 @@ class TwoStageRouter:
                 prefill.queued_prefill_tokens -= uncached
             decode.inflight -= 1
             if ans is None:  # cancelled: the client went away; the closed connection aborts the prefill
-                app.metrics.count(url, "aborted")
+                d.metrics.count(url, "aborted")
             else:
                 self.metrics.stage1_answers.labels(ans.kind).inc()
                 if ans.kind == OK:
@@ -450,7 +450,7 @@ class TwoStageRouter:
 
     async def _wait(self, st: Attempts) -> APIError | None:
         """Pause after every decode engine refused; None to try again, or the 503 to answer."""
-        s = self.app.settings
+        s = self.dispatch.settings
         now = time.monotonic()
         if st.wait_started is None:
             if self.queued >= s.pd_max_queued:
@@ -473,7 +473,7 @@ class TwoStageRouter:
         """Serve the request plain on a decode engine (it prefills it itself). Without a session:
         sessions stay bound to prefill engines, where their prompts' cache is computed."""
         self.metrics.fallback.labels(reason).inc()
-        await self.app._serve_plain(info, body, headers, send, path, None, t0, observe_decision=not decided)
+        await self.dispatch.serve_plain(info, body, headers, send, path, None, t0, observe_decision=not decided)
 
 
 def _non_negative(value: Any) -> int:

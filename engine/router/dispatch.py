@@ -1,0 +1,142 @@
+"""Choose an engine and relay a request to it: the one place a request meets the fleet.
+
+`RouterApp` (the ASGI app) and the two-stage flow (engine/router/disagg.py) both call down into
+a `Dispatcher`; it never calls back up. It owns the pools (`fleet`: decode or colocated,
+`prefill_fleet` when disaggregated, both set at startup), the sessions and the policy; a pick is
+`choose` (filters and scores in engine/router/policies.py over the pool's endpoints and prefix
+matches), a relay is `attempt` (one engine, with the load and metric bookkeeping), and
+`serve_plain` is the plain flow: pick, relay, retry on another engine, or answer 503/429.
+
+Invariant: an engine's ``inflight`` and ``queued_prefill_tokens`` count exactly the attempts
+relaying to it now (added before the relay, removed when it ends, whatever the outcome).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from kvmesh.engine.router import proxy
+from kvmesh.engine.router.discovery import EngineState, Fleet
+from kvmesh.engine.router.metrics import RouterMetrics
+from kvmesh.engine.router.policies import Policy, RouteRequest
+from kvmesh.engine.router.prompt import PromptInfo, matched_tokens
+from kvmesh.engine.router.proxy import all_engines_down
+from kvmesh.engine.router.sessions import SessionTable
+
+if TYPE_CHECKING:
+    from kvmesh.engine.router.app import RouterSettings
+
+
+class Dispatcher:
+    def __init__(self, settings: RouterSettings, policy: Policy, sessions: SessionTable, metrics: RouterMetrics,
+                 timeout: aiohttp.ClientTimeout) -> None:
+        self.settings, self.policy, self.sessions, self.metrics, self.timeout = (
+            settings, policy, sessions, metrics, timeout)
+        self.fleet: Fleet | None = None
+        self.prefill_fleet: Fleet | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self._turn = itertools.count()
+
+    def choose(self, fleet: Fleet, policy: Policy, info: PromptInfo, session: str | None,
+               exclude: frozenset[str], now: float, receiving_only: bool = False,
+               turn: int | None = None) -> tuple[str | None, int]:
+        """(engine URL or None, predicted cached prompt tokens on it) for ``policy`` over ``fleet``.
+
+        ``receiving_only`` keeps the engines that report a KV transfer port (decode engines);
+        ``turn`` rotates ties (default: the router's own counter; a pool picked in step with
+        another needs its own, or ties would rotate in lockstep and always land on one engine).
+        A session is bound to the engine chosen for it.
+        """
+        if receiving_only:
+            endpoints = [st.endpoint() for st in fleet.engines.values() if st.transfer_port is not None]
+        else:
+            endpoints = fleet.endpoints()
+        matches, block_size = fleet.prefix_matches(info)
+        target = self.sessions.target(session, now) if session else None
+        req = RouteRequest(info.num_prompt_tokens, block_size, matches, session, target, exclude)
+        chosen = policy.choose(req, endpoints, next(self._turn) if turn is None else turn)
+        if chosen is not None and session:
+            self.sessions.bind(session, chosen, now)
+        m = matches.get(chosen) if chosen else None
+        predicted = matched_tokens(m.blocks, block_size, len(info.token_ids)) if m and info.token_ids else 0
+        return chosen, predicted
+
+    async def serve_plain(self, info: PromptInfo, body: bytes, headers: dict[str, str], send: proxy.Send,
+                           path: str, session: str | None, t0: float, observe_decision: bool = True) -> None:
+        """The request as is on one engine of the decode (or colocated) pool, retried on others
+        (``observe_decision``: False when the two-stage flow already timed this request's decision)."""
+        assert self.fleet is not None
+        exclude: set[str] = set()
+        tried: list[str] = []
+        last_retry: proxy.Retry | None = None
+        for attempt_no in range(self.settings.max_attempts):
+            url, predicted = self.choose(self.fleet, self.policy, info, session, frozenset(exclude),
+                                         time.monotonic())
+            if attempt_no == 0 and observe_decision:
+                self.metrics.decision.observe(time.perf_counter() - t0)
+            if url is None:
+                break
+            result = await self.attempt(self.fleet.engines.get(url), url, path, body, headers, send, info,
+                                         predicted)
+            if isinstance(result, proxy.Done):
+                return
+            exclude.add(url)
+            tried.append(f"{url}: {result.detail}")
+            last_retry = result
+            self.metrics.retries.labels(result.reason).inc()
+            if result.engine_down:
+                self.fleet.mark_failed(url, result.detail)
+        if last_retry is not None and last_retry.status == 429:
+            # Every engine is busy: their own answer (with Retry-After) says it best.
+            await proxy.send_json(send, 429, last_retry.body, [h for h in last_retry.headers
+                                                               if h[0] != b"content-type"])
+        else:
+            await proxy.send_error(send, all_engines_down(tried))
+        self.metrics.count("none", "unavailable")
+
+    async def attempt(self, state: EngineState | None, url: str, path: str, body: bytes,
+                       headers: dict[str, str], send: proxy.Send, info: PromptInfo, predicted: int, *,
+                       uncached: int | None = None, ttft_extra_s: float = 0.0,
+                       retry_statuses: frozenset[int] = proxy.RETRY_STATUSES) -> proxy.Retry | proxy.Done:
+        """One relay to ``url``. ``uncached``: prompt tokens the engine must compute (default: the
+        prompt less ``predicted``); ``ttft_extra_s``: time already spent upstream for this answer
+        (stage 1), counted into the TTFT metric."""
+        if uncached is None:
+            uncached = max(0, info.num_prompt_tokens - predicted)
+        pending = [uncached]  # prefill tokens still queued on the engine by this request
+
+        def first_byte(seconds: float) -> None:
+            self.metrics.ttft.observe(seconds + ttft_extra_s)
+            if state is not None:
+                state.queued_prefill_tokens -= pending[0]
+            pending[0] = 0
+
+        def engine_failed(why: str) -> None:
+            if self.fleet is not None:
+                self.fleet.mark_failed(url, why)
+
+        if state is not None:
+            state.inflight += 1
+            state.queued_prefill_tokens += uncached
+        outcome = "aborted"
+        try:
+            result = await proxy.attempt(self.session, url + path, body, headers, send,
+                                         proxy.Hooks(first_byte, engine_failed), self.timeout, retry_statuses)
+            if isinstance(result, proxy.Done):
+                outcome = result.outcome
+                if result.cached_tokens is not None and info.token_ids is not None \
+                        and len(info.token_ids) == info.num_prompt_tokens:
+                    self.metrics.cached_error.observe(predicted - result.cached_tokens)
+            else:
+                outcome = ""
+            return result
+        finally:
+            if state is not None:
+                state.inflight -= 1
+                state.queued_prefill_tokens -= pending[0]
+            if outcome:
+                self.metrics.count(url, outcome)
