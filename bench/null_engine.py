@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.engine.block_hash import extra_key
+from kvmesh.engine.util.asgi import read_body
 
 EXTRA = extra_key("null-model", "bfloat16")  # the extra key /kv/info reports (block size 16)
 
@@ -41,12 +42,7 @@ class NullEngine:
                                                       "kv_events": None}).encode())
         if path.startswith("/v1/models"):
             return await _send(send, 200, b'{"object":"list","data":[{"id":"null-model"}]}')
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_body(receive)
         req = json.loads(body or b"{}")
         usage = {"prompt_tokens": 2, "completion_tokens": self.chunks, "total_tokens": 2 + self.chunks}
         if not req.get("stream"):

@@ -34,7 +34,7 @@ from kvmesh.engine.router.cli import load_tokenizer
 from kvmesh.engine.router.index import PrefixIndex
 from kvmesh.engine.router.policies import Endpoint, RouteRequest, build_policy
 from kvmesh.engine.router.prompt import CHAT, analyze
-from kvmesh.engine.util.asgi_thread import ServerThread
+from kvmesh.engine.util.asgi import ServerThread
 from null_engine import EXTRA, NullEngine
 
 

@@ -39,6 +39,7 @@ from kvmesh.engine.router.tokenizer_fetch import TokenizerFetchError, fetch_toke
 from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvmesh.engine.api import errors
 from kvmesh.engine.api.errors import APIError
+from kvmesh.engine.util.asgi import read_body
 from kvmesh.engine.util.metrics import render
 
 log = logging.getLogger("kvmesh.router")
@@ -72,17 +73,6 @@ class RouterSettings:
     @property
     def disaggregated(self) -> bool:
         return bool(self.prefill_engines or self.prefill_services)
-
-
-async def _read_body(receive: Callable[[], Any]) -> bytes:
-    parts = []
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise asyncio.CancelledError  # nothing to answer
-        parts.append(msg.get("body", b""))
-        if not msg.get("more_body"):
-            return b"".join(parts)
 
 
 class RouterApp:
@@ -291,7 +281,7 @@ class RouterApp:
     # ---- generation ----------------------------------------------------------------------
     async def _generate(self, scope: dict[str, Any], receive: Callable[[], Any], send: proxy.Send,
                         path: str) -> None:
-        body = await _read_body(receive)
+        body = await read_body(receive)
         task = asyncio.ensure_future(self._serve(scope, body, send, path))
         disconnect = asyncio.ensure_future(self._wait_disconnect(receive, task))
         try:

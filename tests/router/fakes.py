@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.engine.block_hash import extra_key
+from kvmesh.engine.util.asgi import read_body
 
 EXTRA = extra_key("fake-model", "bfloat16")
 BLOCK_SIZE = 4
@@ -64,12 +65,7 @@ class FakeEngine:
         if path.startswith("/v1/models"):
             return await json_response(send, 200, {"object": "list",
                                                    "data": [{"id": "fake-model", "owned_by": self.name}]})
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_body(receive)
         req = json.loads(body)
         self.requests.append(req)
         await self.handle(req, receive, send)

@@ -28,7 +28,7 @@ from kvmesh.engine.router.app import RouterApp, RouterSettings
 from kvmesh.engine.util.metrics import parse_samples, sample_value
 from tests.server.fakes import FakeTokenizer
 
-from kvmesh.engine.util.asgi_thread import ServerThread
+from kvmesh.engine.util.asgi import ServerThread
 
 from .fakes import Behavior
 from .pd_fakes import FakeDecode, FakePrefill, error

@@ -15,7 +15,7 @@ from kvmesh.engine.kv.events import KVSnapshot
 from kvmesh.engine.router.discovery import Fleet, chain_mismatch
 from kvmesh.engine.router.prompt import PromptInfo
 
-from kvmesh.engine.util.asgi_thread import ServerThread
+from kvmesh.engine.util.asgi import ServerThread
 
 from .fakes import BLOCK_SIZE, EXTRA, FakeEngine
 from .test_proxy import StubSubscriber

@@ -25,7 +25,7 @@ from kvmesh.engine.router.policies import LoadModel
 from kvmesh.engine.util.metrics import parse_samples, sample_value
 from tests.server.fakes import FakeTokenizer
 
-from kvmesh.engine.util.asgi_thread import ServerThread
+from kvmesh.engine.util.asgi import ServerThread
 from kvmesh.engine.util.localproc import free_port
 
 from .fakes import BLOCK_SIZE, EXTRA, Behavior, FakeEngine

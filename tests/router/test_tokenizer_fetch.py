@@ -15,7 +15,7 @@ from kvmesh.engine.model.tokenizer import Tokenizer, TokenizerLoadError
 from kvmesh.engine.router.app import RouterApp, RouterSettings
 from kvmesh.engine.router.cli import load_tokenizer
 
-from kvmesh.engine.util.asgi_thread import ServerThread
+from kvmesh.engine.util.asgi import ServerThread
 
 from .fakes import FakeEngine
 

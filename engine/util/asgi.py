@@ -1,16 +1,31 @@
-"""An ASGI app served by uvicorn on 127.0.0.1 in a background thread, for in-process use: the
-tests' fake engines and routers, and the benchmarks' upstreams. Real TCP, so whatever talks to
-it opens real connections."""
+"""ASGI helpers: reading a request body, and an app served by uvicorn on 127.0.0.1 in a
+background thread for in-process use (the tests' fake engines and routers, the benchmarks'
+upstreams; real TCP, so whatever talks to it opens real connections)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 
 from kvmesh.engine.util.localproc import free_port
+
+
+async def read_body(receive: Callable[[], Any]) -> bytes:
+    """The whole request body; a client that disconnects first cancels the caller (nothing to
+    answer)."""
+    parts = []
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise asyncio.CancelledError
+        parts.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return b"".join(parts)
 
 
 class ServerThread:
