@@ -161,12 +161,12 @@ class PoolScaler:
                               f"{self.pool}: resuming the drain of {pod.name} that a previous operator "
                               "started")
                 continue
+            why = ("its record is unreadable" if d is None else "another drain is resumed" if self.draining
+                   else "its engine no longer drains")
             undone = self._undrain(pod)
             outcome = outcome or "drain-undone"
             self.io.event(self.pool, "DrainUndone",
-                          f"{self.pool}: dropped the drain of {pod.name} a previous operator left "
-                          f"({'another drain is resumed' if self.draining else 'its engine no longer drains'}; "
-                          f"{undone})")
+                          f"{self.pool}: dropped the drain of {pod.name} a previous operator left ({why}; {undone})")
         return outcome
 
     def _forget(self, pod: PodInfo) -> None:

@@ -196,6 +196,7 @@ def test_a_new_operator_undoes_records_whose_engine_serves_again_and_all_but_one
     assert s.draining.pod.name == "b"  # the oldest drain that still runs
     assert fake.drained == ["b"] and fake.records.keys() == {"b"}
     assert [r for r, _ in fake.events] == ["DrainResumed", "DrainUndone", "DrainUndone"]
+    assert "another drain is resumed" in fake.events[1][1] and "its record is unreadable" in fake.events[2][1]
 
 
 def test_a_scale_up_right_after_adoption_cancels_the_resumed_drain():
