@@ -23,18 +23,18 @@ from typing import Any
 import torch
 
 from kvmesh.engine.config import ConfigError, EngineConfig
-from kvmesh.engine.disagg.decode_side import DecodeTransfers, Reservation
-from kvmesh.engine.disagg.errors import HandoffError
-from kvmesh.engine.kv.gather import gather_blocks, scatter_blocks
-from kvmesh.engine.disagg.prefill_side import HeldBlocks, KVHandoff
 from kvmesh.engine.block_hash import extra_key
+from kvmesh.engine.disagg.decode_side import DecodeRole, DecodeTransfers
+from kvmesh.engine.disagg.errors import HandoffError
+from kvmesh.engine.disagg.prefill_side import PrefillRole
+from kvmesh.engine.kv.gather import scatter_blocks
 from kvmesh.engine.kv.events import KVEvent, KVEventLog
 from kvmesh.engine.kv.kv_manager import KVCacheManager
 from kvmesh.engine.kv.tiers import KVTiers, TierSnapshot
 from kvmesh.engine.model.attention import AttentionBackend
 from kvmesh.engine.model.llama import LlamaModel
 from kvmesh.engine.model.loader import LoadedModel, load_model
-from kvmesh.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from kvmesh.engine.outputs import RequestMetrics, RequestOutput
 from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.roles import DecodeClaim, Handoff, PrefillHandoff
 from kvmesh.engine.step_commands import Abort, Add, Call, Claim, StepCommand
@@ -42,7 +42,6 @@ from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.stream import RequestStream
-from kvmesh.engine.transfer.protocol import FirstToken
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
 
@@ -191,9 +190,12 @@ class LLMEngine:
             self.tiers, self._cache_node = build_tiers(cfg, self.kv, self.runner.kv_cache, self.events.publish)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, tiers=self.tiers)
-        self.transfers = DecodeTransfers(self.kv, self.write_blocks, cfg.kv_transfer_timeout,
-                                         cfg.kv_transfer_timeout, cfg.kv_transfer_reserve_tokens)
-        self.held = HeldBlocks(self.kv)
+        self.prefill = PrefillRole(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout, self._on_step_thread)
+        """The prefill side of handoffs (engine/disagg/prefill_side.py)."""
+        self.decode = DecodeRole(DecodeTransfers(self.kv, self.write_blocks, cfg.kv_transfer_timeout,
+                                                 cfg.kv_transfer_timeout, cfg.kv_transfer_reserve_tokens),
+                                 self._on_step_thread)
+        """The decode side of handoffs (engine/disagg/decode_side.py)."""
         self.wake: Callable[[], None] | None = None
         """Set by the thread that drives the engine: called when work arrives from another thread
         (a transfer command), so an idle driver runs ``idle_tick`` without waiting for a request."""
@@ -273,7 +275,7 @@ class LLMEngine:
         """Validate (see check_request) and enqueue; the request joins at the next step.
 
         ``handoff`` (engine/roles.py): a ``PrefillHandoff`` ends the request after its first token
-        with a ``KVHandoff`` output (call ``release_handoff`` once it was delivered); a
+        with a ``KVHandoff`` output (call ``prefill.release`` once it was delivered); a
         ``DecodeClaim`` starts it from a completed transfer.
         """
         ids = self.check_request(prompt_token_ids, params)
@@ -306,50 +308,19 @@ class LLMEngine:
     # ---- prefill/decode handoffs (thread-safe; run at the next step or idle tick) --------------
     def _on_step_thread(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` at the next step or idle tick (the thread that owns the KV state); the
-        future gives its result, or its ``HandoffError``."""
+        future gives its result, or its ``HandoffError``. The roles post their calls here."""
         fut: Future = Future()
         self._commands.put(Call(fn, fut))
         if self.wake is not None:
             self.wake()
         return fut
 
-    def reserve_transfer(self, transfer_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
-                         owner: object = None) -> Future:
-        """Decode role: reserve blocks for a transfer; the future gives a ``Reservation`` or
-        fails with ``NoRoom``/``TooLarge``/``TransferMismatch``."""
-        ids = list(prompt_token_ids)
-        return self._on_step_thread(
-            lambda: self.transfers.reserve(transfer_id, ids, max_tokens, time.monotonic(), owner=owner))
-
-    def check_push(self, transfer_id: str, start: int, hashes: Sequence[bytes | None], final: bool,
-                   owner: object = None) -> Future:
-        hashes = list(hashes)
-        return self._on_step_thread(
-            lambda: self.transfers.check_push(transfer_id, start, hashes, final, time.monotonic(), owner))
-
-    def fill_transfer(self, transfer_id: str, start: int, data: torch.Tensor | None, final: bool,
-                      first: FirstToken | None) -> Future:
-        """Decode role: write pushed blocks (``[n, layers, 2, block_size, heads, dim]``) into the reservation."""
-        return self._on_step_thread(
-            lambda: self.transfers.fill(transfer_id, start, data, final, first, time.monotonic()))
-
-    def cancel_transfer(self, transfer_id: str) -> None:
-        self._on_step_thread(lambda: self.transfers.cancel(transfer_id))
-
-    def drop_transfer_owner(self, owner: object) -> None:
-        """Decode role: the connection ``owner`` closed; free the incomplete reservations it last carried."""
-        self._on_step_thread(lambda: self.transfers.drop_owner(owner))
-
-    def release_handoff(self, request_id: str, consumer: str) -> None:
-        """Prefill role: ``consumer`` is done with the handed-off request's blocks."""
-        self._on_step_thread(lambda: self.held.release(request_id, consumer))
-
     def has_pending_commands(self) -> bool:
         return not self._commands.empty()
 
     def has_timers(self) -> bool:
         """Transfers or held blocks that expire unless something happens (an idle driver ticks)."""
-        return bool(len(self.transfers) or len(self.held))
+        return bool(len(self.decode) or len(self.prefill))
 
     def idle_tick(self) -> list[RequestOutput]:
         """Run commands and expiries without a forward pass (a driver with no requests calls it)."""
@@ -359,12 +330,10 @@ class LLMEngine:
         return outputs
 
     def _expire(self, now: float) -> None:
-        if len(self.transfers):
-            for t in self.transfers.expire(now):
-                log.warning("KV transfer %s expired on the decode side; its blocks were freed", t)
-        if len(self.held):
-            for rid in self.held.expire(now):
-                log.warning("handoff of %s was not confirmed in time; its blocks were freed", rid)
+        for t in self.decode.expire(now):
+            log.warning("KV transfer %s expired on the decode side; its blocks were freed", t)
+        for rid in self.prefill.expire(now):
+            log.warning("handoff of %s was not confirmed in time; its blocks were freed", rid)
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -384,7 +353,7 @@ class LLMEngine:
             elif isinstance(cmd, Call):
                 self._run_call(cmd.fn, cmd.future)
             elif isinstance(cmd, Claim):
-                self._claim(cmd.request, cmd.claim.transfer_id, cmd.claim.claimed, outputs)
+                self._claim(cmd.request, cmd.claim, outputs)
             else:
                 req = self._requests.get(cmd.request_id)
                 if req is not None and not req.is_finished:
@@ -407,35 +376,20 @@ class LLMEngine:
         else:
             fut.set_result(result)
 
-    def _claim(self, req: Request, transfer_id: str, claimed: Future | None, outputs: list[RequestOutput]) -> None:
+    def _claim(self, req: Request, claim: DecodeClaim, outputs: list[RequestOutput]) -> None:
         """Start a request from a completed transfer: its KV and first token are here already."""
+        now = time.monotonic()
         try:
-            r: Reservation = self.transfers.claim(transfer_id, req.prompt_token_ids, req.request_id)
-        except HandoffError as e:
-            if claimed is not None:
-                claimed.set_exception(e)
+            lp = self.decode.claim(req, claim, now)
+        except HandoffError:
             req.status = RequestStatus.FINISHED
             req.finish_reason = "abort"
             outputs.append(self._finish_output(req))
             return
-        if claimed is not None:
-            claimed.set_result(r)
         self._requests[req.request_id] = req
         self._prompt_tokens += req.num_prompt_tokens
-        first = r.first
-        assert first is not None
-        if first.generator_state is not None and req.generator is not None:
-            req.generator.set_state(torch.frombuffer(bytearray(first.generator_state), dtype=torch.uint8))
-        req.num_computed_tokens = req.num_prompt_tokens
-        req.num_cached_tokens = first.cached_tokens
-        req.append_token(first.token_id)
         self._generation_tokens += 1
-        now = time.monotonic()
-        req.metrics.first_scheduled_time = req.metrics.first_token_time = req.metrics.last_token_time = now
-        lp = None
-        if req.params.logprobs is not None and first.logprob is not None:
-            lp = TokenLogprob(first.token_id, first.logprob, [tuple(t) for t in first.top_logprobs])
-        out = req.stream.on_token(req, first.token_id, lp, self.max_model_len)
+        out = req.stream.on_token(req, req.output_token_ids[-1], lp, self.max_model_len)
         outputs.append(out)
         if out.finished:
             req.status = RequestStatus.FINISHED
@@ -444,45 +398,6 @@ class LLMEngine:
             self._forget(req, now)
         else:
             self.scheduler.add_transferred(req)
-
-    def _handoff_blocks(self, req: Request, end: int) -> KVHandoff | None:
-        """Prompt blocks ``[req.handoff_sent, end)`` gathered for the wire (None if there are none)."""
-        start = req.handoff_sent
-        if end <= start:
-            return None
-        n = req.num_prompt_tokens
-        full = n // self.config.block_size
-        chain = self.kv.extend_chain(req.request_id, req.prompt_token_ids, min(full, end))
-        hashes = [chain[i] if i < full else None for i in range(start, end)]
-        data = gather_blocks(self.runner.kv_cache, self.kv.block_ids(req.request_id)[start:end])
-        req.handoff_sent = end
-        return KVHandoff(req.request_id, start, hashes, data, None, n)
-
-    def _handoff_part(self, req: Request) -> RequestOutput | None:
-        """Prefill role, streamed handoff: the prompt blocks this step completed, as a partial output."""
-        part = self._handoff_blocks(req, min(req.num_computed_tokens, req.num_prompt_tokens) // self.config.block_size)
-        if part is None:
-            return None
-        return RequestOutput(req.request_id, req.prompt_token_ids, [], [], "", "", False, None,
-                             max(0, req.num_cached_tokens), None, req.metrics, handoff=part)
-
-    def _handoff(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> RequestOutput:
-        """Prefill role: the first token is sampled; keep the blocks, gather what goes to decode."""
-        n = req.num_prompt_tokens
-        total = self.kv.num_blocks_for(n)
-        start = req.handoff_sent
-        rest = self._handoff_blocks(req, total)
-        hashes = rest.hashes if rest is not None else []
-        data = rest.data if rest is not None else None
-        gen_state = bytes(req.generator.get_state().numpy().tobytes()) if req.generator is not None else None
-        first = FirstToken(token, lp.logprob if lp else None, list(lp.top) if lp else [], gen_state,
-                           max(0, req.num_cached_tokens))
-        self.scheduler.finish(req, "transfer", keep_kv=True)
-        self.held.hold(req.request_id, now + self.config.kv_transfer_timeout)
-        self._forget(req, now)
-        handoff = KVHandoff(req.request_id, start, hashes, data, first, n)
-        return RequestOutput(req.request_id, req.prompt_token_ids, [token], [token], "", "", True, "transfer",
-                             max(0, req.num_cached_tokens), [lp] if lp else None, req.metrics, handoff=handoff)
 
     def _forget(self, req: Request, now: float) -> None:
         req.metrics.finished_time = now
@@ -533,12 +448,15 @@ class LLMEngine:
         if self.tiers is not None:
             saved = self.tiers.after_step(full)
             if saved is not None:
-                self._track_handoff_saves(full, saved)
+                self.prefill.track_saves([seg.request_id for seg in full if (r := self._requests.get(seg.request_id))
+                                          is not None and r.handoff is not None], saved)
         for s in sched.seqs:
-            if s.request.handoff is not None and s.request.handoff.stream and not s.produces_token:
-                part = self._handoff_part(s.request)
+            req = s.request
+            if req.handoff is not None and req.handoff.stream and not s.produces_token:
+                part = self.prefill.stream_part(req)
                 if part is not None:
-                    outputs.append(part)
+                    outputs.append(RequestOutput(req.request_id, req.prompt_token_ids, [], [], "", "", False, None,
+                                                 max(0, req.num_cached_tokens), None, req.metrics, handoff=part))
         if result is not None:
             now = time.monotonic()
             producing = [s.request for s in sched.seqs if s.produces_token]
@@ -550,7 +468,12 @@ class LLMEngine:
                     m.first_token_time = now
                 m.last_token_time = now
                 if req.handoff is not None:
-                    outputs.append(self._handoff(req, tok, lp, now))
+                    handoff = self.prefill.hand_off(req, tok, lp, now)
+                    self.scheduler.finish(req, "transfer", keep_kv=True)
+                    self._forget(req, now)
+                    outputs.append(RequestOutput(req.request_id, req.prompt_token_ids, [tok], [tok], "", "", True,
+                                                 "transfer", max(0, req.num_cached_tokens), [lp] if lp else None,
+                                                 req.metrics, handoff=handoff))
                     continue
                 try:
                     out = req.stream.on_token(req, tok, lp, self.max_model_len)
@@ -565,19 +488,10 @@ class LLMEngine:
             self.check_integrity()
         return outputs
 
-    def _track_handoff_saves(self, segments: list, saved: Future) -> None:
-        """A handed-off request's blocks are released only after the cache node confirmed them too."""
-        rids = {seg.request_id for seg in segments
-                if (r := self._requests.get(seg.request_id)) is not None and r.handoff is not None}
-        for rid in rids:
-            name = f"cache-node:{id(saved)}"
-            self.held.add_consumer(rid, name)
-            saved.add_done_callback(lambda _f, rid=rid, name=name: self.release_handoff(rid, name))
-
     def check_integrity(self) -> None:
         """KV manager and lower-tier invariants (O(blocks); tests and debug runs)."""
         self.kv.check_integrity()
-        self.transfers.check_integrity()
+        self.decode.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity()
 
@@ -604,8 +518,8 @@ class LLMEngine:
             kv_block_bytes=self.config.block_size * self.model_config.kv_bytes_per_token(self.dtype.itemsize),
             kv_evictions=self._kv_evictions,
             tiers=tuple(self.tiers.snapshots()) if self.tiers is not None else (),
-            kv_transfers_reserved=len(self.transfers),
-            kv_transfer_blocks_reserved=self.transfers.reserved_blocks,
-            kv_handoffs_held=len(self.held),
-            kv_transfer_timeouts=self.transfers.expired + self.held.timeouts,
+            kv_transfers_reserved=len(self.decode),
+            kv_transfer_blocks_reserved=self.decode.reserved_blocks,
+            kv_handoffs_held=len(self.prefill),
+            kv_transfer_timeouts=self.decode.timeouts + self.prefill.timeouts,
         )

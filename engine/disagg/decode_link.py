@@ -1,8 +1,8 @@
 """A decode engine's KV transfer endpoint: a ucxx listener answering reserve, push and cancel.
 
 Runs on its own transfer loop thread; every decision about blocks is the engine's (through its
-thread-safe ``reserve_transfer``/``check_push``/``fill_transfer``, run at its next step or idle
-tick), so this module only frames messages and moves bytes.
+``DecodeRole``, ``engine.decode``, whose calls run at the engine's next step or idle tick), so
+this module only frames messages and moves bytes.
 
 Failure semantics: a refused reservation is answered at once (``no_room``, ``too_large``,
 ``header_mismatch``) and the connection stays usable; a push whose hashes or position do not fit
@@ -75,14 +75,14 @@ class DecodeHandler:
         elif isinstance(msg, protocol.PushKV):
             await self._push(msg, ch)
         elif isinstance(msg, protocol.Cancel):
-            self.engine.cancel_transfer(msg.transfer_id)
+            self.engine.decode.cancel(msg.transfer_id)
             await ch.send(protocol.Cancelled())
         else:
             await ch.send(protocol.ErrorReply(protocol.ERR_BAD_REQUEST,
                                               f"a decode engine does not answer {type(msg).__name__}"))
 
     def connection_closed(self, ch: Channel) -> None:
-        self.engine.drop_transfer_owner(ch)
+        self.engine.decode.drop_owner(ch)
 
     async def _reserve(self, msg: protocol.Reserve, ch: Channel) -> None:
         if not self.accepting():
@@ -94,7 +94,7 @@ class DecodeHandler:
             await ch.send(protocol.ErrorReply(protocol.ERR_HEADER, str(e), e.field, repr(e.expected), repr(e.got)))
             return
         try:
-            r = await asyncio.wrap_future(self.engine.reserve_transfer(msg.transfer_id, msg.prompt_token_ids,
+            r = await asyncio.wrap_future(self.engine.decode.reserve(msg.transfer_id, msg.prompt_token_ids,
                                                                        msg.max_tokens, owner=ch))
         except HandoffError as e:
             await ch.send(_refusal(e))
@@ -103,7 +103,7 @@ class DecodeHandler:
 
     async def _push(self, msg: protocol.PushKV, ch: Channel) -> None:
         try:
-            await asyncio.wrap_future(self.engine.check_push(msg.transfer_id, msg.start, msg.hashes, msg.final,
+            await asyncio.wrap_future(self.engine.decode.check_push(msg.transfer_id, msg.start, msg.hashes, msg.final,
                                                              owner=ch))
         except HandoffError as e:
             await ch.send(_refusal(e))
@@ -122,7 +122,7 @@ class DecodeHandler:
                                       f"{self.payload_timeout_s:.0f}s") from None
             data = torch.from_numpy(buf).view(self.dtype).view(n, *self.block_shape)
         try:
-            await asyncio.wrap_future(self.engine.fill_transfer(msg.transfer_id, msg.start, data, msg.final, msg.first))
+            await asyncio.wrap_future(self.engine.decode.fill(msg.transfer_id, msg.start, data, msg.final, msg.first))
         except HandoffError as e:
             await ch.send(_refusal(e))
             return

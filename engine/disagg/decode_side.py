@@ -22,7 +22,9 @@ transfer timeout, or no claim within the claim timeout after it).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +32,11 @@ import torch
 from kvmesh.engine.block_hash import BlockHash
 from ..kv.block_pool import KVIntegrityError
 from ..kv.kv_manager import KVCacheManager
+from ..outputs import TokenLogprob
+from ..request import Request
 from ..transfer.protocol import FirstToken
-from .errors import NoRoom, TooLarge, TransferMismatch, UnknownTransfer
+from ..roles import DecodeClaim
+from .errors import HandoffError, NoRoom, TooLarge, TransferMismatch, UnknownTransfer
 
 
 def transfer_key(transfer_id: str) -> str:
@@ -218,3 +223,88 @@ class DecodeTransfers:
             held = len(self.kv.block_ids(transfer_key(t)))
             if held != r.num_blocks:
                 raise KVIntegrityError(f"transfer {t!r} reserved {r.num_blocks} blocks but holds {held}")
+
+
+class DecodeRole:
+    """The decode side of handoffs as the engine sees it.
+
+    The transfer endpoint (``decode_link``) calls ``reserve``, ``check_push``, ``fill``,
+    ``cancel`` and ``drop_owner`` from its own thread: each runs on the step thread through
+    ``post`` and its future gives the result or the ``HandoffError``. The step calls ``claim``
+    when a request names a completed transfer and ``expire`` at every step and idle tick.
+    """
+
+    def __init__(self, transfers: DecodeTransfers, post: Callable[[Callable[[], object]], Future]) -> None:
+        self.transfers = transfers
+        self.post = post
+
+    def __len__(self) -> int:
+        """Reservations not yet claimed, cancelled or expired."""
+        return len(self.transfers)
+
+    # ---- any thread -----------------------------------------------------------------------------
+    def reserve(self, transfer_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
+                owner: object = None) -> Future:
+        """Reserve blocks for a transfer; the future gives a ``Reservation`` or fails with
+        ``NoRoom``/``TooLarge``/``TransferMismatch``."""
+        ids = list(prompt_token_ids)
+        return self.post(lambda: self.transfers.reserve(transfer_id, ids, max_tokens, time.monotonic(), owner=owner))
+
+    def check_push(self, transfer_id: str, start: int, hashes: Sequence[BlockHash | None], final: bool,
+                   owner: object = None) -> Future:
+        hashes = list(hashes)
+        return self.post(lambda: self.transfers.check_push(transfer_id, start, hashes, final, time.monotonic(), owner))
+
+    def fill(self, transfer_id: str, start: int, data: torch.Tensor | None, final: bool,
+             first: FirstToken | None) -> Future:
+        """Write pushed blocks (``[n, layers, 2, block_size, heads, dim]``) into the reservation."""
+        return self.post(lambda: self.transfers.fill(transfer_id, start, data, final, first, time.monotonic()))
+
+    def cancel(self, transfer_id: str) -> None:
+        self.post(lambda: self.transfers.cancel(transfer_id))
+
+    def drop_owner(self, owner: object) -> None:
+        """The connection ``owner`` closed; free the incomplete reservations it last carried."""
+        self.post(lambda: self.transfers.drop_owner(owner))
+
+    # ---- step-thread hooks ----------------------------------------------------------------------
+    def claim(self, req: Request, claim: DecodeClaim, now: float) -> TokenLogprob | None:
+        """Start ``req`` from the completed transfer ``claim`` names: its blocks, its sampler state
+        and its first token (appended) come from the prefill side; returns that token's logprob
+        entry if the request asks for logprobs. ``claim.claimed`` resolves with the reservation or
+        fails with the ``UnknownTransfer``/``TransferMismatch`` raised here (``req`` untouched)."""
+        try:
+            r = self.transfers.claim(claim.transfer_id, req.prompt_token_ids, req.request_id)
+        except HandoffError as e:
+            if claim.claimed is not None:
+                claim.claimed.set_exception(e)
+            raise
+        if claim.claimed is not None:
+            claim.claimed.set_result(r)
+        first = r.first
+        assert first is not None  # claim() accepts complete transfers only
+        if first.generator_state is not None and req.generator is not None:
+            req.generator.set_state(torch.frombuffer(bytearray(first.generator_state), dtype=torch.uint8))
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_cached_tokens = first.cached_tokens
+        req.append_token(first.token_id)
+        m = req.metrics
+        m.first_scheduled_time = m.first_token_time = m.last_token_time = now
+        if req.params.logprobs is None or first.logprob is None:
+            return None
+        return TokenLogprob(first.token_id, first.logprob, [tuple(t) for t in first.top_logprobs])
+
+    def expire(self, now: float) -> list[str]:
+        """Free reservations past their deadline; returns their transfer ids."""
+        return self.transfers.expire(now) if len(self.transfers) else []
+
+    @property
+    def timeouts(self) -> int:
+        return self.transfers.expired
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self.transfers.reserved_blocks
+
+    def check_integrity(self) -> None:
+        self.transfers.check_integrity()

@@ -12,12 +12,17 @@ a release for an unknown consumer or request is ignored (a late confirmation aft
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from kvmesh.engine.block_hash import BlockHash
+from ..kv.gather import gather_blocks
 from ..kv.kv_manager import KVCacheManager
+from ..outputs import TokenLogprob
+from ..request import Request
 from ..transfer.protocol import FirstToken
 
 DECODE = "decode"
@@ -109,3 +114,82 @@ class HeldBlocks:
     def pending_consumers(self, request_id: str) -> set[str]:
         held = self._held.get(request_id)
         return set(held.pending) if held is not None else set()
+
+
+class PrefillRole:
+    """The prefill side of handoffs as the engine step sees it.
+
+    The step calls the hooks on its own thread: ``stream_part`` after a step computed prompt
+    blocks of a streamed handoff, ``hand_off`` when the first token is sampled (the caller then
+    finishes the request keeping its blocks), ``track_saves`` when the tiers write a step's
+    blocks through, ``expire`` at every step and idle tick. ``release`` may be called from any
+    thread: it runs on the step thread through ``post``.
+
+    Invariant: the blocks handed over in parts and at the end are the prompt's blocks
+    ``[handoff.from_block, num_blocks_for(prompt))``, each exactly once, in order
+    (``Request.handoff_sent`` is the next one).
+    """
+
+    def __init__(self, kv: KVCacheManager, kv_cache: torch.Tensor, timeout_s: float,
+                 post: Callable[[Callable[[], object]], Future]) -> None:
+        self.kv = kv
+        self.kv_cache = kv_cache
+        self.timeout_s = timeout_s
+        self.post = post
+        self.held = HeldBlocks(kv)
+
+    def __len__(self) -> int:
+        """Requests whose blocks wait for their consumers."""
+        return len(self.held)
+
+    # ---- any thread -----------------------------------------------------------------------------
+    def release(self, request_id: str, consumer: str) -> None:
+        """``consumer`` is done with the handed-off request's blocks."""
+        self.post(lambda: self.held.release(request_id, consumer))
+
+    # ---- step-thread hooks ----------------------------------------------------------------------
+    def stream_part(self, req: Request) -> KVHandoff | None:
+        """The prompt blocks a streamed handoff completed since its last part (None if none did)."""
+        done = min(req.num_computed_tokens, req.num_prompt_tokens) // self.kv.block_size
+        return self._blocks(req, done)
+
+    def hand_off(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> KVHandoff:
+        """The first token is sampled: hold the request's blocks for the decode side and gather the
+        blocks not yet handed over with the first token (and the sampler's state) for the wire."""
+        n = req.num_prompt_tokens
+        start = req.handoff_sent
+        rest = self._blocks(req, self.kv.num_blocks_for(n))
+        gen_state = bytes(req.generator.get_state().numpy().tobytes()) if req.generator is not None else None
+        first = FirstToken(token, lp.logprob if lp else None, list(lp.top) if lp else [], gen_state,
+                           max(0, req.num_cached_tokens))
+        self.held.hold(req.request_id, now + self.timeout_s)
+        return KVHandoff(req.request_id, start, rest.hashes if rest else [], rest.data if rest else None, first, n)
+
+    def track_saves(self, request_ids: Iterable[str], saved: Future) -> None:
+        """These handed-off requests' blocks are being written through to the cache node: release
+        them only once ``saved`` confirmed that too."""
+        name = f"cache-node:{id(saved)}"
+        for rid in set(request_ids):
+            self.held.add_consumer(rid, name)
+            saved.add_done_callback(lambda _f, rid=rid: self.release(rid, name))
+
+    def expire(self, now: float) -> list[str]:
+        """Free held requests whose consumers did not confirm in time; returns their ids."""
+        return self.held.expire(now) if len(self.held) else []
+
+    @property
+    def timeouts(self) -> int:
+        return self.held.timeouts
+
+    def _blocks(self, req: Request, end: int) -> KVHandoff | None:
+        """Prompt blocks ``[req.handoff_sent, end)`` gathered for the wire (None if there are none)."""
+        start = req.handoff_sent
+        if end <= start:
+            return None
+        n = req.num_prompt_tokens
+        full = n // self.kv.block_size
+        chain = self.kv.extend_chain(req.request_id, req.prompt_token_ids, min(full, end))
+        hashes = [chain[i] if i < full else None for i in range(start, end)]
+        data = gather_blocks(self.kv_cache, self.kv.block_ids(req.request_id)[start:end])
+        req.handoff_sent = end
+        return KVHandoff(req.request_id, start, hashes, data, None, n)

@@ -203,7 +203,7 @@ class DisaggServing:
         except TransferError as e:
             raise self._push_failed(host, port, e) from None
         finally:
-            engine.release_handoff(handoff.request_id, DECODE)
+            engine.prefill.release(handoff.request_id, DECODE)
         t3 = time.perf_counter()
         nbytes = sum(p.nbytes for p in pushed)
         self._observe("ok", nbytes, sum(p.seconds for p in pushed))

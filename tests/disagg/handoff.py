@@ -31,9 +31,9 @@ def prefill(p, rid: str, prompt: list[int], params: SamplingParams, start: int):
 
 
 def decode(d, tid: str, rid: str, prompt: list[int], params: SamplingParams, handoff):
-    d.check_push(tid, handoff.start, handoff.hashes, True)
+    d.decode.check_push(tid, handoff.start, handoff.hashes, True)
     d.idle_tick()
-    fut = d.fill_transfer(tid, handoff.start, handoff.data, True, handoff.first)
+    fut = d.decode.fill(tid, handoff.start, handoff.data, True, handoff.first)
     d.idle_tick()
     fut.result(0)
     claimed: Future = Future()
@@ -45,11 +45,11 @@ def decode(d, tid: str, rid: str, prompt: list[int], params: SamplingParams, han
 
 def handoff_once(p, d, i: int, prompt, params, tid=None):
     tid = tid or f"t{i}"
-    fut = d.reserve_transfer(tid, prompt, params.max_tokens)
+    fut = d.decode.reserve(tid, prompt, params.max_tokens)
     d.idle_tick()
     res = fut.result(0)
     h = prefill(p, f"p{i}", prompt, params, res.hit_blocks)
     toks = decode(d, tid, f"d{i}", prompt, params, h)
-    p.release_handoff(f"p{i}", DECODE)
+    p.prefill.release(f"p{i}", DECODE)
     p.idle_tick()
     return res, h, toks

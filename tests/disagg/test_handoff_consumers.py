@@ -42,18 +42,18 @@ def test_blocks_are_freed_only_after_decode_and_the_cache_node_confirmed(model_d
             prefill(p, "r", PROMPTS[0], _greedy(), 0)
             p.tiers.after_step = real_after_step
             ids = p.kv.block_ids("r")
-            pending = p.held.pending_consumers("r")
+            pending = p.prefill.held.pending_consumers("r")
             assert DECODE in pending and any(c.startswith("cache-node:") for c in pending), pending
-            p.release_handoff("r", DECODE)
+            p.prefill.release("r", DECODE)
             for _ in range(20):  # the decode side confirmed; the node has not: the blocks stay held
                 p.idle_tick()
                 time.sleep(0.01)
-            assert "r" in p.held and p.kv.block_ids("r") == ids
+            assert "r" in p.prefill.held and p.kv.block_ids("r") == ids
             assert all(p.kv.pool.blocks[i].ref_cnt == 1 for i in ids)
             p.check_integrity()
         finally:
             node.proc.send_signal(signal.SIGCONT)
-        _wait(lambda: (p.idle_tick(), "r" not in p.held)[1], "the cache node's confirmation never released the blocks")
+        _wait(lambda: (p.idle_tick(), "r" not in p.prefill.held)[1], "the cache node's confirmation never released the blocks")
         assert not p.kv.requests and p.tiers.remote.snapshot_stats().stored >= len(PROMPTS[0]) // 4
         p.check_integrity()
         p.close()

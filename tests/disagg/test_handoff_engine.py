@@ -44,7 +44,7 @@ def test_disaggregated_greedy_equals_transformers(model_dir, loaded, reference):
     for e in (p, d):
         e.check_integrity()
         assert not e.kv.requests, e.kv.requests  # nothing held, nothing reserved
-        assert len(e.held) == 0 and len(e.transfers) == 0
+        assert len(e.prefill) == 0 and len(e.decode) == 0
 
 
 def test_prefill_holds_blocks_until_decode_confirms(model_dir, loaded):  # noqa: F811
@@ -54,13 +54,13 @@ def test_prefill_holds_blocks_until_decode_confirms(model_dir, loaded):  # noqa:
     assert len(ids) == -(-len(PROMPTS[0]) // BS) and all(p.kv.pool.blocks[i].ref_cnt == 1 for i in ids)
     p.idle_tick()
     p.check_integrity()
-    assert "r" in p.held and h.data.shape[0] == len(ids)
-    p.release_handoff("r", "someone-else")  # unknown consumers change nothing
+    assert "r" in p.prefill.held and h.data.shape[0] == len(ids)
+    p.prefill.release("r", "someone-else")  # unknown consumers change nothing
     p.idle_tick()
     assert p.kv.block_ids("r") == ids
-    p.release_handoff("r", DECODE)
+    p.prefill.release("r", DECODE)
     p.idle_tick()
-    assert "r" not in p.held and not p.kv.requests
+    assert "r" not in p.prefill.held and not p.kv.requests
     p.check_integrity()
 
 
@@ -68,7 +68,7 @@ def test_held_blocks_and_reservations_expire(model_dir, loaded, monkeypatch):  #
     p = tiny_engine(model_dir, loaded, num_kv_blocks=64, kv_transfer_timeout=0.05).engine
     d = tiny_engine(model_dir, loaded, num_kv_blocks=64, kv_transfer_timeout=0.05).engine
     prefill(p, "r", PROMPTS[0], _greedy(), 0)
-    d.reserve_transfer("t", PROMPTS[0], MAX_NEW)
+    d.decode.reserve("t", PROMPTS[0], MAX_NEW)
     d.idle_tick()
     assert d.kv.block_ids(transfer_key("t"))
     import time
@@ -84,18 +84,18 @@ def test_held_blocks_and_reservations_expire(model_dir, loaded, monkeypatch):  #
 
 def test_decode_refuses_what_it_cannot_hold(model_dir, loaded):  # noqa: F811
     d = tiny_engine(model_dir, loaded, num_kv_blocks=16).engine
-    big = d.reserve_transfer("big", PROMPTS[0], 64 * BS)
+    big = d.decode.reserve("big", PROMPTS[0], 64 * BS)
     d.idle_tick()
     with pytest.raises(TooLarge):
         big.result(0)
-    first = d.reserve_transfer("a", PROMPTS[0], 8)  # 45 + 7 tokens: 13 of 16 blocks
-    second = d.reserve_transfer("b", PROMPTS[1], 8)
+    first = d.decode.reserve("a", PROMPTS[0], 8)  # 45 + 7 tokens: 13 of 16 blocks
+    second = d.decode.reserve("b", PROMPTS[1], 8)
     d.idle_tick()
     assert first.result(0).num_blocks == 13
     with pytest.raises(NoRoom):
         second.result(0)
     d.check_integrity()
-    d.cancel_transfer("a")
+    d.decode.cancel("a")
     d.idle_tick()
     assert d.kv.num_free_blocks == 16 and not d.kv.requests
 
@@ -103,13 +103,13 @@ def test_decode_refuses_what_it_cannot_hold(model_dir, loaded):  # noqa: F811
 def test_decode_checks_pushes_and_claims(model_dir, loaded):  # noqa: F811
     p = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
     d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
-    d.reserve_transfer("t", PROMPTS[0], MAX_NEW)
+    d.decode.reserve("t", PROMPTS[0], MAX_NEW)
     d.idle_tick()
     h = prefill(p, "r", PROMPTS[0], _greedy(), 0)
     bad = list(h.hashes)
     bad[3] = b"\0" * 32
     for args in ((h.start, bad, True), (h.start + 1, h.hashes[1:], True), (h.start, h.hashes[:-1], True)):
-        f = d.check_push("t", *args)
+        f = d.decode.check_push("t", *args)
         d.idle_tick()
         with pytest.raises(TransferMismatch):
             f.result(0)
@@ -121,17 +121,17 @@ def test_decode_checks_pushes_and_claims(model_dir, loaded):  # noqa: F811
     with pytest.raises(UnknownTransfer):
         early.result(0)
     assert [o.finish_reason for o in outs] == ["abort"]
-    d.fill_transfer("t", h.start, h.data, True, h.first)
+    d.decode.fill("t", h.start, h.data, True, h.first)
     d.idle_tick()
     other: Future = Future()
     d.add_request("y", PROMPTS[1], _greedy(), handoff=DecodeClaim("t", other))
     d.idle_tick()
     with pytest.raises(TransferMismatch):
         other.result(0)
-    d.drop_transfer_owner(None)  # complete transfers survive their connection
+    d.decode.drop_owner(None)  # complete transfers survive their connection
     d.idle_tick()
-    assert len(d.transfers) == 1
-    d.cancel_transfer("t")
+    assert len(d.decode.transfers) == 1
+    d.decode.cancel("t")
     d.idle_tick()
     assert not d.kv.requests
     d.check_integrity()
@@ -158,7 +158,7 @@ def test_streamed_handoff_sends_blocks_as_chunks_complete(model_dir, loaded, ref
     p = tiny_engine(model_dir, loaded, num_kv_blocks=64, max_num_batched_tokens=8).engine  # 2 blocks a step
     d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
     prompt = PROMPTS[1]  # 46 tokens: 12 blocks, the last one partial
-    d.reserve_transfer("s", prompt, MAX_NEW)
+    d.decode.reserve("s", prompt, MAX_NEW)
     d.idle_tick()
     p.add_request("r", prompt, _greedy(), handoff=PrefillHandoff(0, stream=True))
     outs = _run_until(p, lambda o: any(x.finished for x in o))
@@ -167,17 +167,17 @@ def test_streamed_handoff_sends_blocks_as_chunks_complete(model_dir, loaded, ref
     assert [h.start for h in parts] == [0, 2, 4, 6, 8, 10] and parts[-1].hashes[-1] is None
     assert all(h.first is None for h in parts[:-1]) and parts[-1].first is not None
     for h in parts:
-        f = d.check_push("s", h.start, h.hashes, h.first is not None)
+        f = d.decode.check_push("s", h.start, h.hashes, h.first is not None)
         d.idle_tick()
         f.result(0)
-        fill = d.fill_transfer("s", h.start, h.data, h.first is not None, h.first)
+        fill = d.decode.fill("s", h.start, h.data, h.first is not None, h.first)
         d.idle_tick()
         fill.result(0)
     claimed: Future = Future()
     d.add_request("x", prompt, _greedy(), handoff=DecodeClaim("s", claimed))
     outs = _run_until(d, lambda o: any(x.finished for x in o))
     assert [t for o in outs for t in o.new_token_ids] == reference[1]
-    p.release_handoff("r", DECODE)
+    p.prefill.release("r", DECODE)
     p.idle_tick()
     for e in (p, d):
         e.check_integrity()
@@ -202,10 +202,10 @@ def test_a_step_thread_call_that_raises_fails_alone(model_dir, loaded, reference
     engine; now it fails its own future, leaves nothing reserved, and the next handoff is exact."""
     p = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
     d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
-    fut = d.reserve_transfer("bad", [5, -1, *PROMPTS[0][:40]], 4)
+    fut = d.decode.reserve("bad", [5, -1, *PROMPTS[0][:40]], 4)
     d.idle_tick()
     assert isinstance(fut.exception(0), ValueError)
-    assert not d.kv.requests and len(d.transfers) == 0
+    assert not d.kv.requests and len(d.decode.transfers) == 0
     d.check_integrity()
     _, _, toks = handoff_once(p, d, 0, PROMPTS[0], _greedy())
     assert toks == reference[0]
@@ -240,7 +240,7 @@ def test_a_transfer_belongs_to_the_connection_of_its_last_message_and_pushes_ext
     from kvmesh.engine.block_hash import hash_blocks
 
     d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
-    tr = d.transfers
+    tr = d.decode.transfers
     prompt = PROMPTS[0]
     hashes = hash_blocks(prompt, BS, d.kv.extra)
     conn_a, conn_b = object(), object()

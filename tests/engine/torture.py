@@ -208,9 +208,9 @@ def run(p: LLMEngine, d: LLMEngine, ref: Reference, w: Workload) -> Report:
                     if o.finish_reason == "transfer":
                         r.handoff, r.stage = o.handoff, "checking"
                         h = o.handoff
-                        r.fut = d.check_push(r.tid, h.start, h.hashes, True)
+                        r.fut = d.decode.check_push(r.tid, h.start, h.hashes, True)
                     else:  # given up on (aborted) before its prefill finished
-                        d.cancel_transfer(r.tid)
+                        d.decode.cancel(r.tid)
                         r.aborted = True
                         finish(r)
                 continue
@@ -233,7 +233,7 @@ def run(p: LLMEngine, d: LLMEngine, ref: Reference, w: Workload) -> Report:
             if r.kind == "handoff":
                 r.tid, r.stage = f"t-{r.rid}", "reserving"
                 r.give_up = rng.random() < w.p_give_up
-                r.fut = d.reserve_transfer(r.tid, r.prompt, r.max_tokens)
+                r.fut = d.decode.reserve(r.tid, r.prompt, r.max_tokens)
             else:
                 start_plain(r, p if r.kind == "plain-p" else d, r.kind)
         for r in list(live.values()):
@@ -266,10 +266,10 @@ def run(p: LLMEngine, d: LLMEngine, ref: Reference, w: Workload) -> Report:
             elif r.stage == "checking":
                 assert err is None, err
                 h = r.handoff
-                r.stage, r.fut = "filling", d.fill_transfer(r.tid, h.start, h.data, True, h.first)
+                r.stage, r.fut = "filling", d.decode.fill(r.tid, h.start, h.data, True, h.first)
             elif r.stage == "filling":
                 assert err is None, err
-                p.release_handoff(f"p-{r.rid}", DECODE)
+                p.prefill.release(f"p-{r.rid}", DECODE)
                 r.stage = "decoding"
                 erid = f"d-{r.rid}"
                 by_engine_rid[erid] = r
@@ -279,12 +279,12 @@ def run(p: LLMEngine, d: LLMEngine, ref: Reference, w: Workload) -> Report:
             time.sleep(0.002)  # a cache-node fetch is in flight
     for e in (p, d):
         deadline = time.monotonic() + 20  # write-throughs to the cache node may still hold blocks
-        while (e.kv.requests or len(e.held) or len(e.transfers)) and time.monotonic() < deadline:
+        while (e.kv.requests or len(e.prefill) or len(e.decode)) and time.monotonic() < deadline:
             e.idle_tick()
             time.sleep(0.01)
         e.check_integrity()
         assert not e.kv.requests, e.kv.requests
-        assert len(e.transfers) == 0 and len(e.held) == 0
+        assert len(e.decode) == 0 and len(e.prefill) == 0
     for e in (p, d):
         st = e.stats()
         rep.preemptions += getattr(st, "num_preemptions", 0)
