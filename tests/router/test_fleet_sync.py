@@ -17,8 +17,7 @@ from kvmesh.engine.router.prompt import PromptInfo
 
 from kvmesh.engine.util.asgi import ServerThread
 
-from .fakes import BLOCK_SIZE, EXTRA, FakeEngine
-from .test_proxy import StubSubscriber
+from tests.support.fake_http_engine import BLOCK_SIZE, EXTRA, FakeEngine, StubSubscriber
 
 EVENTS = {"endpoint": "tcp://127.0.0.1:1", "replay_endpoint": "tcp://127.0.0.1:2", "topic": "kv"}
 
@@ -30,7 +29,7 @@ def _snap(tokens: list[int], engine_id: str = "e") -> KVSnapshot:
 
 
 def _fleet(session, engines, snapshots):
-    def sub(url, info, on_event, on_reset):
+    def sub(url, info, on_event, on_reset, session):
         snap = snapshots.get(info.get("engine_id"))
         return None if snap is None else StubSubscriber(snap, on_reset)
 

@@ -2,15 +2,14 @@
 
 Real: the router's ASGI app served by uvicorn (httptools) on loopback, its aiohttp upstream
 connections, discovery probes, the policies, the prefix index and the metrics.
-Fake: the engines (tests/router/fakes.py: scripted ASGI apps on real loopback servers), the
-tokenizer (tests/server/fakes.py's byte tokenizer, standing in for the engines' own), and the
+Fake: the engines (tests/support/fake_http_engine.py: scripted ASGI apps on real loopback servers), the
+tokenizer (tests/support/fake_step_engine.py's byte tokenizer, standing in for the engines' own), and the
 KV event subscriber (a stub that applies one fixed snapshot), so no model and no ZeroMQ are
 involved. The real subscriber and real engines are covered by test_real_engines.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -23,29 +22,12 @@ from kvmesh.engine.router.app import RouterApp, RouterSettings
 from kvmesh.engine.router.discovery import Fleet
 from kvmesh.engine.router.policies import LoadModel
 from kvmesh.engine.util.metrics import parse_samples, sample_value
-from tests.server.fakes import FakeTokenizer
+from tests.support.fake_step_engine import FakeTokenizer
 
 from kvmesh.engine.util.asgi import ServerThread
 from kvmesh.engine.util.localproc import free_port
 
-from .fakes import BLOCK_SIZE, EXTRA, Behavior, FakeEngine
-
-
-class StubSubscriber:
-    """Applies one snapshot, then idles: what a subscriber does for an engine with no traffic."""
-
-    def __init__(self, snap: KVSnapshot, on_reset) -> None:
-        self.snap, self.on_reset = snap, on_reset
-        self.synced = asyncio.Event()
-        self._stop = asyncio.Event()
-
-    async def run(self) -> None:
-        self.on_reset(self.snap)
-        self.synced.set()
-        await self._stop.wait()
-
-    async def stop(self) -> None:
-        self._stop.set()
+from tests.support.fake_http_engine import BLOCK_SIZE, EXTRA, Behavior, FakeEngine, StubSubscriber
 
 
 class Cluster:
@@ -66,7 +48,7 @@ class Cluster:
         self.router = ServerThread(self.app).start()
         self.url = self.router.url
 
-    def _subscriber(self, url, info, on_event, on_reset):
+    def _subscriber(self, url, info, on_event, on_reset, session):
         snap = self.snapshots.get(url)
         return None if snap is None else StubSubscriber(snap, on_reset)
 
