@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.engine.util import fleet_args as fa
-from kvmesh.engine.util.localproc import http_status, log_tail
+from kvmesh.engine.util.localproc import http_get, http_status, log_tail
 
 _LOG_TAIL_LINES = 30
 
@@ -185,17 +185,18 @@ def _start(spec: ProcSpec, run_dir: Path) -> Child:
 
 def status_line(child: Child) -> str:
     """One line for `child`: state plus, for an engine, load read from its /metrics."""
-    import httpx
-
     from kvmesh.engine.util.metrics import parse_samples, sample_value
 
     state = "ready" if child.ready else "starting"
     line = f"{child.spec.name:<9} pid {child.proc.pid:<7} {state:<8} {child.spec.url}"
     if not child.ready or child.spec.name.startswith(("router", "cache-node")):
         return line
+    got = http_get(child.spec.url + "/metrics", timeout_s=2)
     try:
-        samples = parse_samples(httpx.get(child.spec.url + "/metrics", timeout=2).text)
-    except (httpx.HTTPError, ValueError):
+        samples = parse_samples(got[1].decode()) if got is not None and got[0] == 200 else None
+    except ValueError:
+        samples = None
+    if samples is None:
         return line + "  (metrics unavailable)"
     parts = []
     for label, name, scale in (("running", "kvmesh_num_requests_running", 1),

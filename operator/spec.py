@@ -25,7 +25,7 @@ SHORT_NAMES = ("infd",)
 COMPONENTS = ("prefill", "decode", "cache", "router")
 ROUTER_POLICIES = ("cache-aware", "session", "least-load", "round-robin")
 # The policies that route by cached prefix, so need the engines' tokenizer (the router's
-# `policies.uses_prefix`; tests/router/test_rendered_command_lines.py checks they agree).
+# `policies.uses_prefix`; tests/util/test_rendered_command_lines.py checks they agree).
 PREFIX_ROUTER_POLICIES = ("cache-aware", "session")
 SOURCE_TYPES = ("Embedded", "Volume", "URI")
 MODEL_FORMATS = ("Auto", "GGUF", "Safetensors")

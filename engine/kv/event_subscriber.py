@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 import zmq
 import zmq.asyncio
 
@@ -119,8 +120,11 @@ class KVEventSubscriber:
     def __init__(self, pub_endpoint: str, replay_endpoint: str, snapshot_url: str,
                  on_event: OnEvent, on_reset: OnReset, *, replay_timeout_s: float = 2.0,
                  http_timeout_s: float = 5.0, retry_s: float = 1.0, buffer_limit: int = 100_000,
-                 drop: Callable[[int], bool] | None = None) -> None:
-        """``drop`` is a test hook: PUB messages whose seq it accepts are discarded as if lost."""
+                 drop: Callable[[int], bool] | None = None, session: aiohttp.ClientSession | None = None) -> None:
+        """``session``: the process's HTTP client for snapshots (a router passes its own, so one
+        client and one connection pool serve every engine); without one the subscriber opens and
+        closes its own. ``drop`` is a test hook: PUB messages whose seq it accepts are discarded
+        as if lost."""
         self.pub_endpoint = pub_endpoint
         self.replay_endpoint = replay_endpoint
         self.snapshot_url = snapshot_url
@@ -142,7 +146,8 @@ class KVEventSubscriber:
         self._retired: set[str] = set()
         self._ctx: zmq.asyncio.Context | None = None
         self._dealer: zmq.asyncio.Socket | None = None
-        self._http: httpx.AsyncClient | None = None
+        self._session = session
+        self._http: aiohttp.ClientSession | None = None
         self._main: asyncio.Task | None = None
         self._stopping = False
 
@@ -187,7 +192,7 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(self.pub_endpoint)
         reader = asyncio.ensure_future(self._read(sub))
-        self._http = httpx.AsyncClient(timeout=self.http_timeout_s)
+        self._http = self._session or aiohttp.ClientSession()
         try:
             await self._resync("start")
             while True:
@@ -202,7 +207,8 @@ class KVEventSubscriber:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
                 await reader
-            await self._http.aclose()
+            if self._http is not self._session:
+                await self._http.close()
             sub.close(0)
             self._close_dealer()
             ctx.term()
@@ -318,13 +324,14 @@ class KVEventSubscriber:
         assert self._http is not None
         self.stats.resyncs += 1
         log.info("KV events: resync from %s (%s)", self.snapshot_url, reason)
+        timeout = aiohttp.ClientTimeout(total=self.http_timeout_s)
         while True:
             try:
-                r = await self._http.get(self.snapshot_url)
-                r.raise_for_status()
-                snap = snapshot_from_json(r.json())
+                async with self._http.get(self.snapshot_url, timeout=timeout) as r:
+                    r.raise_for_status()
+                    snap = snapshot_from_json(json.loads(await r.read()))
                 break
-            except (httpx.HTTPError, ValueError) as e:  # WireFormatError and JSON errors are ValueErrors
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # WireFormatError, JSON errors
                 log.warning("KV snapshot from %s failed: %s; retrying in %.1fs", self.snapshot_url, e, self.retry_s)
                 await asyncio.sleep(self.retry_s)
         if self.engine_id is not None and snap.engine_id != self.engine_id:

@@ -194,14 +194,16 @@ class EngineState:
                         self.queued_prefill_tokens, self.free_blocks)
 
 
-SubscriberFactory = Callable[[str, dict[str, Any], Callable[..., None], Callable[[KVSnapshot], None]], Any]
+SubscriberFactory = Callable[[str, dict[str, Any], Callable[..., None], Callable[[KVSnapshot], None],
+                              aiohttp.ClientSession], Any]
+"""(engine url, its /kv/info, on_event, on_reset, the fleet's HTTP session) -> a subscriber or None."""
 
 
 def default_subscriber_factory(url: str, info: dict[str, Any], on_event: Callable[..., None],
-                               on_reset: Callable[[KVSnapshot], None]) -> Any:
+                               on_reset: Callable[[KVSnapshot], None], session: aiohttp.ClientSession) -> Any:
     from kvmesh.engine.kv.event_subscriber import KVEventSubscriber
 
-    return KVEventSubscriber.from_info(url, info, on_event, on_reset)
+    return KVEventSubscriber.from_info(url, info, on_event, on_reset, session=session)
 
 
 @dataclass
@@ -439,7 +441,7 @@ class Fleet:
             rec = args[-1]
             index.apply(url, rec.event if isinstance(rec, KVEventRecord) else rec)
 
-        sub = self.subscriber_factory(url, state.info or {}, on_event, on_reset)
+        sub = self.subscriber_factory(url, state.info or {}, on_event, on_reset, self.session)
         if sub is None:
             return
         state.subscriber = sub

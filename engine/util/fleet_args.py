@@ -2,7 +2,7 @@
 start a fleet (`kvmesh up` on this machine, the operator's pods), with one flag vocabulary.
 
 Pure: a role's settings in, `kvmesh` arguments out (without the program). Every line is parsed by
-the real CLI in the tests (tests/router/test_rendered_command_lines.py, tests/test_up.py), so a
+the real CLI in the tests (tests/util/test_rendered_command_lines.py, tests/up/test_up.py), so a
 flag renamed in a parser and not here fails there.
 """
 

@@ -79,15 +79,22 @@ def free_port_pair(host: str = "127.0.0.1") -> int:
     return free_port_run(2, host)
 
 
-def http_status(url: str, timeout_s: float = 2.0) -> int | None:
-    """The status of a GET of ``url``, or None when nothing answers."""
+def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes] | None:
+    """(status, body) of a GET of ``url``, or None when nothing answers. The standard library's
+    client: the local processes' supervisors (``kvmesh up``, the tests) need no other."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return r.status
+            return r.status, r.read()
     except urllib.error.HTTPError as e:
-        return e.code
+        return e.code, e.read() or b""
     except (OSError, ValueError):
         return None
+
+
+def http_status(url: str, timeout_s: float = 2.0) -> int | None:
+    """The status of a GET of ``url``, or None when nothing answers."""
+    got = http_get(url, timeout_s)
+    return None if got is None else got[0]
 
 
 def log_tail(path: Path | None, n: int = 40) -> str:

@@ -22,7 +22,7 @@ from kvmesh.engine.transfer.header import BlockHeader
 from kvmesh.engine.transfer.loop_thread import LoopThread
 
 from ..support.processes import NodeProc
-from ..transfer.kvdata import blocks, layout
+from tests.support.kv_blocks import blocks, layout
 
 pytestmark = pytest.mark.timeout(120)
 

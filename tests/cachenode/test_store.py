@@ -11,7 +11,7 @@ from kvmesh.engine.transfer.errors import HeaderMismatch
 from kvmesh.engine.transfer.header import BlockBatch, BlockHeader
 from kvmesh.engine.transfer.protocol import EXISTS, NO_ROOM, STORED, TOO_LARGE
 
-from ..transfer.kvdata import blocks, chain, layout
+from tests.support.kv_blocks import blocks, chain, layout
 
 LAY = layout()  # 2 layers x 2 x 4 tokens x 3 heads x 8 dims x 2 bytes = 768 bytes a block
 BLK = LAY.nbytes

@@ -16,10 +16,9 @@ import pytest
 from kvmesh.engine.disagg.prefill_side import DECODE
 
 from tests.support.processes import NodeProc
-from ..engine.test_cache_node_tier import _wait
-from ..engine.test_host_tier import MAX_NEW, PROMPTS, loaded, model_dir, tiny_engine  # noqa: F401
-from .handoff import prefill
-from .test_handoff_engine import _greedy
+from tests.support.waits import wait_for
+from tests.support.tiny_engine import PROMPTS, greedy, tiny_engine
+from tests.support.handoff import prefill
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,7 +28,7 @@ def test_blocks_are_freed_only_after_decode_and_the_cache_node_confirmed(model_d
     try:
         p = tiny_engine(model_dir, loaded, num_kv_blocks=64, cache_node=f"127.0.0.1:{node.http_port}",
                         cache_node_timeout=20.0, kv_transfer_timeout=60.0).engine
-        _wait(lambda: p._cache_node.clients() is not None, "the engine never resolved the cache node")
+        wait_for(lambda: p._cache_node.clients() is not None, "the engine never resolved the cache node")
         # Stop the node right before the step's write-through is sent (after admission's fetch).
         real_after_step = p.tiers.after_step
 
@@ -39,7 +38,7 @@ def test_blocks_are_freed_only_after_decode_and_the_cache_node_confirmed(model_d
 
         p.tiers.after_step = stop_node_then_save
         try:
-            prefill(p, "r", PROMPTS[0], _greedy(), 0)
+            prefill(p, "r", PROMPTS[0], greedy(), 0)
             p.tiers.after_step = real_after_step
             ids = p.kv.block_ids("r")
             pending = p.prefill.held.pending_consumers("r")
@@ -53,7 +52,7 @@ def test_blocks_are_freed_only_after_decode_and_the_cache_node_confirmed(model_d
             p.check_integrity()
         finally:
             node.proc.send_signal(signal.SIGCONT)
-        _wait(lambda: (p.idle_tick(), "r" not in p.prefill.held)[1], "the cache node's confirmation never released the blocks")
+        wait_for(lambda: (p.idle_tick(), "r" not in p.prefill.held)[1], "the cache node's confirmation never released the blocks")
         assert not p.kv.requests and p.tiers.remote.snapshot_stats().stored >= len(PROMPTS[0]) // 4
         p.check_integrity()
         p.close()

@@ -2,7 +2,7 @@
 
 Real: both engines (a tiny random Llama, fp32), their KV managers, the handoff state on each side
 and the bytes moved (gathered on prefill, scattered on decode). Not here: the UCX link and the
-HTTP servers (tests/disagg/test_disagg_servers.py). The reference is transformers' unpaged
+HTTP servers (tests/server/test_disagg_servers.py). The reference is transformers' unpaged
 greedy forward, so a wrong block, offset or first token shows up as a token difference.
 """
 
@@ -16,8 +16,8 @@ from kvmesh.engine.disagg.prefill_side import DECODE
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.roles import DecodeClaim, PrefillHandoff
 
-from .handoff import handoff_once, prefill
-from ..engine.test_host_tier import BS, MAX_NEW, OTHER, PROMPTS, hf_greedy, loaded, model_dir, tiny_engine  # noqa: F401
+from tests.support.handoff import handoff_once, prefill
+from tests.support.tiny_engine import BS, MAX_NEW, OTHER, PROMPTS, greedy, hf_greedy, tiny_engine
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,15 +27,12 @@ def reference(model_dir):  # noqa: F811
     return hf_greedy(model_dir, PROMPTS)
 
 
-def _greedy(max_tokens: int = MAX_NEW) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
 
 def test_disaggregated_greedy_equals_transformers(model_dir, loaded, reference):  # noqa: F811
     p = tiny_engine(model_dir, loaded, num_kv_blocks=64, max_num_batched_tokens=16).engine  # chunked prefill
     d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
     for i, prompt in enumerate(PROMPTS):
-        res, h, toks = handoff_once(p, d, i, prompt, _greedy())
+        res, h, toks = handoff_once(p, d, i, prompt, greedy())
         assert toks == reference[i], f"prompt {i}"
         # PROMPTS share a 40-token prefix: from the second on, decode already caches 10 blocks
         # and prefill sends only the rest (prefill too serves them from its own cache).
@@ -49,7 +46,7 @@ def test_disaggregated_greedy_equals_transformers(model_dir, loaded, reference):
 
 def test_prefill_holds_blocks_until_decode_confirms(model_dir, loaded):  # noqa: F811
     p = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
-    h = prefill(p, "r", PROMPTS[0], _greedy(), 0)
+    h = prefill(p, "r", PROMPTS[0], greedy(), 0)
     ids = p.kv.block_ids("r")
     assert len(ids) == -(-len(PROMPTS[0]) // BS) and all(p.kv.pool.blocks[i].ref_cnt == 1 for i in ids)
     p.idle_tick()
@@ -67,7 +64,7 @@ def test_prefill_holds_blocks_until_decode_confirms(model_dir, loaded):  # noqa:
 def test_held_blocks_and_reservations_expire(model_dir, loaded, monkeypatch):  # noqa: F811
     p = tiny_engine(model_dir, loaded, num_kv_blocks=64, kv_transfer_timeout=0.05).engine
     d = tiny_engine(model_dir, loaded, num_kv_blocks=64, kv_transfer_timeout=0.05).engine
-    prefill(p, "r", PROMPTS[0], _greedy(), 0)
+    prefill(p, "r", PROMPTS[0], greedy(), 0)
     d.decode.reserve("t", PROMPTS[0], MAX_NEW)
     d.idle_tick()
     assert d.kv.block_ids(transfer_key("t"))
@@ -105,7 +102,7 @@ def test_decode_checks_pushes_and_claims(model_dir, loaded):  # noqa: F811
     d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
     d.decode.reserve("t", PROMPTS[0], MAX_NEW)
     d.idle_tick()
-    h = prefill(p, "r", PROMPTS[0], _greedy(), 0)
+    h = prefill(p, "r", PROMPTS[0], greedy(), 0)
     bad = list(h.hashes)
     bad[3] = b"\0" * 32
     for args in ((h.start, bad, True), (h.start + 1, h.hashes[1:], True), (h.start, h.hashes[:-1], True)):
@@ -116,7 +113,7 @@ def test_decode_checks_pushes_and_claims(model_dir, loaded):  # noqa: F811
     from concurrent.futures import Future
 
     early: Future = Future()
-    d.add_request("x", PROMPTS[0], _greedy(), handoff=DecodeClaim("t", early))  # not complete yet
+    d.add_request("x", PROMPTS[0], greedy(), handoff=DecodeClaim("t", early))  # not complete yet
     outs = d.idle_tick()
     with pytest.raises(UnknownTransfer):
         early.result(0)
@@ -124,7 +121,7 @@ def test_decode_checks_pushes_and_claims(model_dir, loaded):  # noqa: F811
     d.decode.fill("t", h.start, h.data, True, h.first)
     d.idle_tick()
     other: Future = Future()
-    d.add_request("y", PROMPTS[1], _greedy(), handoff=DecodeClaim("t", other))
+    d.add_request("y", PROMPTS[1], greedy(), handoff=DecodeClaim("t", other))
     d.idle_tick()
     with pytest.raises(TransferMismatch):
         other.result(0)
@@ -153,14 +150,14 @@ def test_streamed_handoff_sends_blocks_as_chunks_complete(model_dir, loaded, ref
     are the same as with one push."""
     from concurrent.futures import Future
 
-    from .handoff import _run_until
+    from tests.support.handoff import _run_until
 
     p = tiny_engine(model_dir, loaded, num_kv_blocks=64, max_num_batched_tokens=8).engine  # 2 blocks a step
     d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
     prompt = PROMPTS[1]  # 46 tokens: 12 blocks, the last one partial
     d.decode.reserve("s", prompt, MAX_NEW)
     d.idle_tick()
-    p.add_request("r", prompt, _greedy(), handoff=PrefillHandoff(0, stream=True))
+    p.add_request("r", prompt, greedy(), handoff=PrefillHandoff(0, stream=True))
     outs = _run_until(p, lambda o: any(x.finished for x in o))
     parts = [o.handoff for o in outs if o.handoff is not None]
     assert [o.finished for o in outs if o.handoff is not None] == [False] * (len(parts) - 1) + [True]
@@ -174,7 +171,7 @@ def test_streamed_handoff_sends_blocks_as_chunks_complete(model_dir, loaded, ref
         d.idle_tick()
         fill.result(0)
     claimed: Future = Future()
-    d.add_request("x", prompt, _greedy(), handoff=DecodeClaim("s", claimed))
+    d.add_request("x", prompt, greedy(), handoff=DecodeClaim("s", claimed))
     outs = _run_until(d, lambda o: any(x.finished for x in o))
     assert [t for o in outs for t in o.new_token_ids] == reference[1]
     p.prefill.release("r", DECODE)
@@ -189,7 +186,7 @@ def test_reservations_cover_max_tokens_up_to_the_cap(model_dir, loaded, referenc
     the request allocates as it grows, and its tokens do not change."""
     d = tiny_engine(model_dir, loaded, num_kv_blocks=64, kv_transfer_reserve_tokens=3).engine
     p = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
-    res, _, toks = handoff_once(p, d, 0, PROMPTS[0], _greedy())  # 45 prompt tokens, 8 new
+    res, _, toks = handoff_once(p, d, 0, PROMPTS[0], greedy())  # 45 prompt tokens, 8 new
     assert res.num_blocks == -(-(45 + 3) // BS)  # not -(-(45 + 7) // BS)
     assert toks == reference[0]
     d.check_integrity()
@@ -207,7 +204,7 @@ def test_a_step_thread_call_that_raises_fails_alone(model_dir, loaded, reference
     assert isinstance(fut.exception(0), ValueError)
     assert not d.kv.requests and len(d.decode.transfers) == 0
     d.check_integrity()
-    _, _, toks = handoff_once(p, d, 0, PROMPTS[0], _greedy())
+    _, _, toks = handoff_once(p, d, 0, PROMPTS[0], greedy())
     assert toks == reference[0]
 
 
@@ -221,12 +218,12 @@ def test_a_reservation_that_evicts_saves_the_old_bytes_before_the_push_lands(mod
     p = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
     llm = tiny_engine(model_dir, loaded, num_kv_blocks=16, cpu_kv_bytes=1 << 20)
     d = llm.engine
-    assert llm.generate([other], _greedy())[0].token_ids == ref_other  # 12 blocks cached, then free
-    _, _, toks = handoff_once(p, d, 0, PROMPTS[0], _greedy())  # reserving 14 of 16 evicts most of them
+    assert llm.generate([other], greedy())[0].token_ids == ref_other  # 12 blocks cached, then free
+    _, _, toks = handoff_once(p, d, 0, PROMPTS[0], greedy())  # reserving 14 of 16 evicts most of them
     assert toks == ref_prompt
     stored = d.tiers.host.stats.stored
     assert stored > 0, "the reservation evicted nothing into the host tier: the test lost its point"
-    again = llm.generate([other], _greedy())[0]
+    again = llm.generate([other], greedy())[0]
     assert d.tiers.host.stats.promotions > 0  # the evicted prefix came back from the host tier
     assert again.token_ids == ref_other
     d.check_integrity()

@@ -218,7 +218,7 @@ def test_disaggregated_prefill_to_decode(loaded, prompts, hf_reference):
     """Prefill engine -> decode engine handoff (blocks, first token) on the default model: the decode
     side's tokens equal transformers', cold, and again with every prompt a prefix hit on prefill
     (a fresh decode engine, so the whole prompt's KV travels)."""
-    from ..disagg.handoff import handoff_once
+    from tests.support.handoff import handoff_once
 
     class _Result:
         def __init__(self, token_ids):

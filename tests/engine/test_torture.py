@@ -8,7 +8,6 @@ import signal
 
 import pytest
 from tests.support.processes import NodeProc
-from .test_host_tier import loaded, model_dir  # noqa: F401 - the same tiny random Llama
 from .torture import Reference, Workload, engines, run
 
 pytestmark = pytest.mark.timeout(1200)

@@ -15,7 +15,10 @@ from kvmesh.engine.kv.event_subscriber import KVCacheMirror, KVEventSubscriber, 
 from kvmesh.engine.kv.event_wire import REPLAY_END, decode_payload, seq_bytes, seq_from_bytes, topic_for
 from kvmesh.engine.kv.events import BlockStored, KVEventLog
 
-from .helpers import SnapshotServer, free_port_pair, publish_random, until
+from kvmesh.engine.util.localproc import free_port_pair
+
+from tests.support.kv_events import SnapshotServer, publish_random
+from tests.support.waits import until
 
 
 @contextlib.asynccontextmanager

@@ -20,7 +20,9 @@ from kvmesh.engine.kv.events import BlockRemoved, KVEventRecord
 
 from tests.support.tiny_models import make_tiny_hf_model
 from tests.support.processes import ServerProcess
-from .helpers import free_port_pair, until
+from kvmesh.engine.util.localproc import free_port_pair
+
+from tests.support.waits import until
 
 pytestmark = pytest.mark.slow  # a real server process: about 15 s
 

@@ -100,3 +100,37 @@ def test_benchmarks_never_import_the_tests():
                  for n, line in enumerate(p.read_text().splitlines(), 1)
                  if re.match(r"\s*(from|import)\s+tests\b", line) or "# tests." in line]
     assert offenders == []
+
+
+# Test folders that mirror no package: shared helpers, the cluster suite, this file's, the benchmarks'.
+_TEST_FOLDERS_OF_THEIR_OWN = {"support", "e2e", "layout", "bench"}
+
+
+def _package_dirs() -> set[str]:
+    """Every package a test folder may mirror: engine/'s subpackages, the engine core, the operator, up."""
+    engine = {p.name for p in (ROOT / "engine").iterdir() if (p / "__init__.py").exists()}
+    return engine | {"engine", "operator", "up"}
+
+
+def test_test_folders_mirror_the_source_packages():
+    folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders - _package_dirs() - _TEST_FOLDERS_OF_THEIR_OWN == set()
+    assert sorted(p.name for p in (ROOT / "tests").glob("test_*.py")) == []  # every test lives in a folder
+
+
+def test_tests_share_helpers_through_support_never_through_test_modules():
+    """A helper two test modules need lives in tests/support/ (or a helper module of the folder),
+    never in a test module or a conftest that another module imports."""
+    import re
+
+    pattern = re.compile(r"\s*from\s+(\S+)\s+import|\s*import\s+(\S+)")
+    offenders = []
+    for p in sorted((ROOT / "tests").rglob("*.py")):
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            m = pattern.match(line)
+            if m is None:
+                continue
+            last = (m.group(1) or m.group(2)).rsplit(".", 1)[-1]
+            if last.startswith("test_") or last == "conftest":
+                offenders.append(f"{p.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert offenders == []

@@ -1,31 +1,10 @@
-"""Shared builders for the operator's unit tests."""
+"""Fixtures of the operator's unit tests."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
-MINIMAL_SPEC = {
-    "model": {"name": "smollm2-135m-instruct"},
-    "prefill": {"replicas": 1},
-    "decode": {"replicas": 2},
-    "cache": {"replicas": 1},
-    "router": {"replicas": 1},
-    "slo": {"ttftMs": 500, "tpotMs": 50},
-}
-
-
-def make_cr(spec=None, name="llm", namespace="serving", uid="uid-1", generation=1, status=None):
-    obj = {
-        "apiVersion": "serving.kvmesh.io/v1alpha1",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": name, "namespace": namespace, "uid": uid, "generation": generation},
-        "spec": copy.deepcopy(MINIMAL_SPEC if spec is None else spec),
-    }
-    if status is not None:
-        obj["status"] = status
-    return obj
+from tests.support.crs import make_cr
 
 
 @pytest.fixture

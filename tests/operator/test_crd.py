@@ -12,7 +12,7 @@ from kvmesh.operator import generate
 from kvmesh.operator.crd import build_crd
 from kvmesh.operator.spec import COMPONENTS, parse_spec
 
-from .conftest import MINIMAL_SPEC
+from tests.support.crs import MINIMAL_SPEC
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from kvmesh.operator import render as r
 from kvmesh.operator.app import CHILD_RESOURCES, build_registry, child_label_selector, configure_settings
 from kvmesh.operator.reconcile import Reconciler
 
-from .conftest import make_cr
+from tests.support.crs import make_cr
 
 KIND_TO_RESOURCE = {"Deployment": ("apps", "v1", "deployments"), "Service": ("", "v1", "services"),
                     "ConfigMap": ("", "v1", "configmaps")}

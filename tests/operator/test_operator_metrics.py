@@ -11,7 +11,7 @@ from kvmesh.operator.autoscaler import Decision
 from kvmesh.operator.health import HealthState, respond_bytes, serve_health
 from kvmesh.operator.metrics import OperatorMetrics
 
-from .test_autoscale_loop import Fakes, cr
+from .autoscale_fakes import Fakes, cr
 
 POOL = {"namespace": "serving", "inference_deployment": "llm", "component": "decode"}
 

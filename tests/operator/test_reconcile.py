@@ -7,7 +7,7 @@ import pytest
 
 from kvmesh.operator.reconcile import KubeOps, Reconciler, ReconcileError
 
-from .conftest import make_cr
+from tests.support.crs import make_cr
 
 
 class FakeApi:

@@ -8,7 +8,7 @@ from kvmesh.engine.server.cli import add_serve_arguments
 from kvmesh.operator import render as r
 from kvmesh.operator.spec import COMPONENTS
 
-from .conftest import make_cr
+from tests.support.crs import make_cr
 
 
 def by_key(objs):

@@ -2,7 +2,7 @@ import pytest
 
 from kvmesh.operator import spec as s
 
-from .conftest import MINIMAL_SPEC
+from tests.support.crs import MINIMAL_SPEC
 
 
 def test_minimal_spec_gets_defaults():

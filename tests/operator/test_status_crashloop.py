@@ -4,8 +4,8 @@ Deployment's progress deadline."""
 from kvmesh.operator.reconcile import KubeOps, Reconciler
 from kvmesh.operator.status import CRASH_RESTARTS, compute_status, crash_looping
 
-from .conftest import make_cr
-from .test_status import T0, all_ready, cond, dep
+from tests.support.crs import make_cr
+from .status_objects import T0, all_ready, cond, dep
 
 
 def pod(name, restarts=0, waiting=None, ready=False, last_exit=None, deleting=False, init=False):

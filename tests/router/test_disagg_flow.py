@@ -1,7 +1,7 @@
 """The router's two-stage (prefill/decode) flow against fake prefill and decode engines.
 
 These tests prove only the router's state machine, not the engines: the fakes
-(tests/router/pd_fakes.py) follow the HTTP contract of docs/disagg.md and script its answers,
+(tests/support/fake_pd_engines.py) follow the HTTP contract of docs/disagg.md and script its answers,
 and the tests check what the router does with each: stage 1 then stage 2 with the contract's
 ``kv_transfer_params``; another decode engine after ``decode_no_room``; waiting while every
 decode engine refuses, then a clean 503 ``no_decode_capacity`` past the queue timeout or bound;
@@ -11,7 +11,7 @@ its first byte; plain requests for ``n > 1`` or without a prefill pool; each str
 No KV is computed or moved. Real prefill and decode engines are covered elsewhere.
 
 Real: the router's ASGI app under uvicorn on loopback, its aiohttp upstream connections,
-discovery probes, the policies and the metrics. The tokenizer is tests/server/fakes.py's.
+discovery probes, the policies and the metrics. The tokenizer is tests/support/fake_step_engine.py's.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import pytest
 
 from kvmesh.engine.router.app import RouterApp, RouterSettings
 from kvmesh.engine.util.metrics import parse_samples, sample_value
-from tests.server.fakes import FakeTokenizer
+from tests.support.fake_step_engine import FakeTokenizer
 
 from kvmesh.engine.util.asgi import ServerThread
 
-from .fakes import Behavior
-from .pd_fakes import FakeDecode, FakePrefill, error
+from tests.support.fake_http_engine import Behavior
+from tests.support.fake_pd_engines import FakeDecode, FakePrefill, error
 
 
 class PDCluster:

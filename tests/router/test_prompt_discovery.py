@@ -17,9 +17,9 @@ from kvmesh.engine.router.discovery import (
 from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, analyze, common_hash_spec, matched_tokens
 from kvmesh.engine.api import params
 from kvmesh.engine.api.protocol import ChatCompletionRequest
-from tests.server.fakes import FakeTokenizer
+from tests.support.fake_step_engine import FakeTokenizer
 
-from .fakes import EXTRA
+from tests.support.fake_http_engine import EXTRA
 
 TOK = FakeTokenizer()
 

@@ -17,7 +17,7 @@ from kvmesh.engine.router.cli import load_tokenizer
 
 from kvmesh.engine.util.asgi import ServerThread
 
-from .fakes import FakeEngine
+from tests.support.fake_http_engine import FakeEngine
 
 
 @pytest.fixture(scope="module")

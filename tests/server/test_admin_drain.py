@@ -14,15 +14,9 @@ from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
 from kvmesh.engine.server.runtime import build_server
 from kvmesh.engine.server.settings import ServeSettings
 
-from .fakes import FakeEngine
+from tests.support.fake_step_engine import FakeEngine
+from tests.support.waits import wait_for
 
-
-def _wait(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.01)
 
 
 async def _loaded_server():
@@ -37,7 +31,7 @@ def test_admin_drain_stops_readiness_finishes_inflight_and_reports_zero():
     engine = FakeEngine(step_delay_s=0.02)
     server = ServerApp(AsyncEngine(lambda: engine), drain_timeout_s=60)
     with TestClient(server.app) as c:
-        _wait(lambda: c.get("/ready").status_code == 200)
+        wait_for(lambda: c.get("/ready").status_code == 200)
         assert c.get("/admin/drain").json()["draining"] is False
         got: list = []
 
@@ -49,7 +43,7 @@ def test_admin_drain_stops_readiness_finishes_inflight_and_reports_zero():
 
         t = threading.Thread(target=stream)
         t.start()
-        _wait(lambda: engine.generation_tokens >= 2)
+        wait_for(lambda: engine.generation_tokens >= 2)
         r = c.post("/admin/drain")
         assert r.status_code == 202
         st = r.json()
@@ -59,7 +53,7 @@ def test_admin_drain_stops_readiness_finishes_inflight_and_reports_zero():
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         assert c.post("/admin/drain").status_code == 202  # asking again joins the same drain
         t.join(30)
-        _wait(lambda: c.get("/admin/drain").json()["done"])
+        wait_for(lambda: c.get("/admin/drain").json()["done"])
         st = c.get("/admin/drain").json()
         assert (st["in_flight"], st["aborted"], st["state"]) == (0, 0, "draining")
         assert got[-1]["choices"][0]["finish_reason"] == "length"  # not cut
@@ -84,7 +78,7 @@ def test_an_admin_drain_can_be_cancelled_and_the_server_serves_again():
     engine = FakeEngine(step_delay_s=0.0)
     server = ServerApp(AsyncEngine(lambda: engine), drain_timeout_s=60)
     with TestClient(server.app) as c:
-        _wait(lambda: c.get("/ready").status_code == 200)
+        wait_for(lambda: c.get("/ready").status_code == 200)
         assert c.post("/admin/drain").status_code == 202
         assert c.get("/ready").status_code == 503
         r = c.delete("/admin/drain")
@@ -92,7 +86,7 @@ def test_an_admin_drain_can_be_cancelled_and_the_server_serves_again():
         assert c.get("/ready").status_code == 200
         assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
         assert c.post("/admin/drain").status_code == 202  # and it can be drained again later
-        _wait(lambda: c.get("/admin/drain").json()["done"])
+        wait_for(lambda: c.get("/admin/drain").json()["done"])
 
 
 def test_a_shutdowns_drain_cannot_be_cancelled():
@@ -111,14 +105,14 @@ def test_a_leased_drain_holds_while_renewed_and_serves_again_when_its_lease_runs
     engine = FakeEngine(step_delay_s=0.0)
     server = ServerApp(AsyncEngine(lambda: engine), drain_timeout_s=60)
     with TestClient(server.app) as c:
-        _wait(lambda: c.get("/ready").status_code == 200)
+        wait_for(lambda: c.get("/ready").status_code == 200)
         r = c.post("/admin/drain", params={"lease_s": 0.6})
         assert r.status_code == 202 and r.json()["lease_expires_at"] > time.time()
         for _ in range(4):  # renewed faster than it runs out: still drained after 1.2 s
             time.sleep(0.3)
             assert c.post("/admin/drain", params={"lease_s": 0.6}).status_code == 202
             assert c.get("/ready").status_code == 503
-        _wait(lambda: c.get("/ready").status_code == 200, timeout=5)
+        wait_for(lambda: c.get("/ready").status_code == 200, timeout=5)
         st = c.get("/admin/drain").json()
         assert st["draining"] is False and st["lease_expires_at"] is None
         assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
@@ -133,7 +127,7 @@ def test_a_drain_lease_out_of_range_is_refused_with_the_field_named():
     engine = FakeEngine(step_delay_s=0.0)
     server = ServerApp(AsyncEngine(lambda: engine), drain_timeout_s=60)
     with TestClient(server.app) as c:
-        _wait(lambda: c.get("/ready").status_code == 200)
+        wait_for(lambda: c.get("/ready").status_code == 200)
         for bad in ("0", "-1", "abc", "1e9"):
             r = c.post("/admin/drain", params={"lease_s": bad})
             assert r.status_code == 400, (bad, r.text)

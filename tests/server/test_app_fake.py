@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -17,7 +16,8 @@ from kvmesh.engine.server.app import ServerApp
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
 from kvmesh.engine.util.metrics import parse_samples, render, sample_value
 
-from .fakes import FakeEngine, FakeTokenizer, expected_text
+from tests.support.fake_step_engine import FakeEngine, FakeTokenizer, expected_text
+from tests.support.waits import wait_for
 
 TOK = FakeTokenizer()
 
@@ -37,17 +37,10 @@ def engine():
 def client(engine):
     c, _ = make_client(engine)
     with c:
-        _wait(lambda: c.get("/ready").status_code == 200)
+        wait_for(lambda: c.get("/ready").status_code == 200)
         yield c
     engine.running.set()
 
-
-def _wait(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.01)
 
 
 def _events(resp) -> list:
@@ -114,7 +107,7 @@ def test_served_model_name_override():
     engine = FakeEngine()
     c, _ = make_client(engine, names=["alias-a", "alias-b"])
     with c:
-        _wait(lambda: c.get("/ready").status_code == 200)
+        wait_for(lambda: c.get("/ready").status_code == 200)
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["alias-a", "alias-b"]
         assert c.get("/v1/models/alias-b").json()["max_model_len"] == engine.max_model_len
         r = c.post("/v1/completions", json={"model": "alias-b", "prompt": "a", "max_tokens": 1})
@@ -198,13 +191,13 @@ def test_queue_full_gets_429_with_retry_after():
     engine = FakeEngine()
     c, server = make_client(engine, max_waiting=2)
     with c:
-        _wait(lambda: c.get("/ready").status_code == 200)
+        wait_for(lambda: c.get("/ready").status_code == 200)
         engine.running.clear()  # the engine thread blocks in its next step: nothing starts
         results: list = []
         t = threading.Thread(target=lambda: results.append(
             c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "n": 2})))
         t.start()
-        _wait(lambda: server.aengine.num_queued == 2)
+        wait_for(lambda: server.aengine.num_queued == 2)
         r = c.post("/v1/completions", json={"prompt": "b", "max_tokens": 1})
         assert r.status_code == 429
         assert r.json()["error"]["code"] == "queue_full" and r.json()["error"]["type"] == "rate_limit_error"
@@ -232,7 +225,7 @@ def test_not_ready_while_loading_then_ready():
         assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
         assert c.get("/v1/models").status_code == 503
         gate.set()
-        _wait(lambda: c.get("/ready").status_code == 200)
+        wait_for(lambda: c.get("/ready").status_code == 200)
         assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 200
 
 
@@ -242,7 +235,7 @@ def test_failed_engine_load_reports_unhealthy():
 
     server = ServerApp(AsyncEngine(broken))
     with TestClient(server.app) as c:
-        _wait(lambda: server.aengine.state is ServerState.FAILED)
+        wait_for(lambda: server.aengine.state is ServerState.FAILED)
         assert c.get("/health").status_code == 503
         r = c.post("/v1/completions", json={"prompt": "a"})
         assert r.status_code == 500 and "weights missing" in r.json()["error"]["message"]
@@ -252,7 +245,7 @@ def test_draining_refuses_new_requests_and_lets_inflight_finish():
     engine = FakeEngine(step_delay_s=0.02)
     c, server = make_client(engine)
     with c:
-        _wait(lambda: c.get("/ready").status_code == 200)
+        wait_for(lambda: c.get("/ready").status_code == 200)
         got: list = []
 
         def stream() -> None:
@@ -261,7 +254,7 @@ def test_draining_refuses_new_requests_and_lets_inflight_finish():
 
         t = threading.Thread(target=stream)
         t.start()
-        _wait(lambda: engine.generation_tokens >= 2)
+        wait_for(lambda: engine.generation_tokens >= 2)
         c.portal.call(server.aengine.begin_drain)
         assert c.get("/ready").status_code == 503
         refused = c.post("/v1/completions", json={"prompt": "a"})

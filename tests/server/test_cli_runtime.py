@@ -17,7 +17,7 @@ from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.server.runtime import build_server
 from kvmesh.engine.server.settings import ServeSettings
 
-from .fakes import FakeEngine
+from tests.support.fake_step_engine import FakeEngine
 
 
 @pytest.mark.parametrize("text,expected", [("1000", 1000), ("2GiB", 2 << 30), ("512MiB", 512 << 20),

@@ -14,7 +14,7 @@ from kvmesh.engine.server.async_engine import AsyncEngine
 from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.api.params import check_text
 
-from .fakes import FakeEngine
+from tests.support.fake_step_engine import FakeEngine
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from kvmesh.engine.transfer.loop_thread import shared_loop
 from kvmesh.engine.transfer.ucx_env import apply_ucx_defaults
 
 from kvmesh.engine.util.localproc import free_ports, wait_ready
-from tests.transfer.kvdata import blocks, layout
+from tests.support.kv_blocks import blocks, layout
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 

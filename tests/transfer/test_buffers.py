@@ -9,7 +9,7 @@ import torch
 from kvmesh.engine.transfer.buffers import KVBlock, as_bytes
 from kvmesh.engine.transfer.header import BlockHeader
 
-from .kvdata import blocks, chain, layout
+from tests.support.kv_blocks import blocks, chain, layout
 
 
 def test_as_bytes_is_a_view_for_bf16_and_fp32():

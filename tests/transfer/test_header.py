@@ -10,7 +10,7 @@ from kvmesh.engine.transfer.errors import HeaderMismatch
 from kvmesh.engine.transfer.header import (HEADER_VERSION, BlockBatch, BlockHeader, BufferSpec, check_batch,
                                            check_header, check_layout, kv_layout, validate_layout)
 
-from .kvdata import chain, layout
+from tests.support.kv_blocks import chain, layout
 
 
 def test_kv_layout_geometry():

@@ -21,7 +21,7 @@ from kvmesh.engine.transfer.errors import ConnectFailed, HeaderMismatch, PeerGon
 from kvmesh.engine.transfer.loop_thread import LoopThread
 from kvmesh.engine.transfer.server import KVServer
 
-from .kvdata import blocks, layout
+from tests.support.kv_blocks import blocks, layout
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import threading
-import time
 
 import pytest
 import torch
@@ -18,8 +17,9 @@ from kvmesh.engine.server.app import ServerApp
 from kvmesh.engine.server.async_engine import AsyncEngine
 from kvmesh.engine.server.cli import add_serve_arguments, settings_from_args
 
-from ..server.fakes import FakeEngine
-from .helpers import free_port_pair
+from tests.support.fake_step_engine import FakeEngine
+from tests.support.waits import wait_for
+from kvmesh.engine.util.localproc import free_port_pair
 
 
 class _KV:
@@ -40,12 +40,6 @@ class KVFakeEngine(FakeEngine):
         self.events = KVEventLog(self.engine_id)
 
 
-def _wait(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
 
 def test_routes_answer_503_until_loaded_then_describe_the_cache():
     engine = KVFakeEngine()
@@ -63,7 +57,7 @@ def test_routes_answer_503_until_loaded_then_describe_the_cache():
             r = client.get(path)
             assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
         release.set()
-        _wait(lambda: client.get("/ready").status_code == 200)
+        wait_for(lambda: client.get("/ready").status_code == 200)
 
         h1, h2 = b"\x01" * 32, b"\x02" * 32
         engine.events.publish(BlockStored([h1, h2], None, list(range(8)), 4))
@@ -91,7 +85,7 @@ def test_routes_answer_503_until_loaded_then_describe_the_cache():
 def test_info_without_a_stream_says_so():
     engine = KVFakeEngine()
     with TestClient(ServerApp(AsyncEngine(lambda: engine)).app) as client:
-        _wait(lambda: client.get("/ready").status_code == 200)
+        wait_for(lambda: client.get("/ready").status_code == 200)
         assert client.get("/kv/info").json()["kv_events"] is None
 
 

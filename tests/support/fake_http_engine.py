@@ -1,4 +1,4 @@
-"""Fake engines and a server thread for the router's integration tests.
+"""Fake engines for the router's integration tests, and a stub KV event subscriber.
 
 ``FakeEngine`` is a plain ASGI app that speaks the slice of the engine's HTTP API the router
 uses (/ready, /metrics, /kv/info, /v1/models, /v1/completions, /v1/chat/completions) with
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.engine.block_hash import extra_key
+from kvmesh.engine.kv.events import KVSnapshot
 from kvmesh.engine.util.asgi import read_body
 
 EXTRA = extra_key("fake-model", "bfloat16")
@@ -135,3 +136,20 @@ async def json_response(send: Any, status: int, doc: Any) -> None:
 async def _text(send: Any, status: int, text: str) -> None:
     await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
     await send({"type": "http.response.body", "body": text.encode()})
+
+
+class StubSubscriber:
+    """Applies one snapshot, then idles: what a subscriber does for an engine with no traffic."""
+
+    def __init__(self, snap: KVSnapshot, on_reset) -> None:
+        self.snap, self.on_reset = snap, on_reset
+        self.synced = asyncio.Event()
+        self._stop = asyncio.Event()
+
+    async def run(self) -> None:
+        self.on_reset(self.snap)
+        self.synced.set()
+        await self._stop.wait()
+
+    async def stop(self) -> None:
+        self._stop.set()

@@ -2,7 +2,7 @@
 
 Real: the `kvmesh` argument parser the plan's command lines must satisfy, the child processes
 (`python -m kvmesh ...`), their logs and exit codes. The full platform on the real model runs in
-tests/router/test_up_platform.py (slow).
+tests/up/test_up_platform.py (slow).
 """
 
 from __future__ import annotations
@@ -186,3 +186,39 @@ time.sleep(60)
         time.sleep(0.1)
     os.kill(child, signal.SIGKILL)
     raise AssertionError("the child outlived its killed supervisor")
+
+
+def test_status_line_reads_an_engines_load_from_its_metrics(tmp_path: Path) -> None:
+    """Real: an HTTP server answering /metrics with a Prometheus exposition, read with the
+    standard library's client; a port nothing listens on gives "(metrics unavailable)"."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from kvmesh.engine.util.localproc import free_port
+    from kvmesh.up import Child, status_line
+
+    exposition = (b"# TYPE kvmesh_num_requests_running gauge\nkvmesh_num_requests_running 3\n"
+                  b"# TYPE kvmesh_kv_cache_usage_ratio gauge\nkvmesh_kv_cache_usage_ratio 0.25\n")
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Length", str(len(exposition)))
+            self.end_headers()
+            self.wfile.write(exposition)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        line = status_line(Child(ProcSpec("engine-0", (), url), tmp_path / "log", SimpleNamespace(pid=7), ready=True))
+        assert "running=3 waiting=- kv%=25 gen_tokens=-" in line and url in line
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    dead = ProcSpec("engine-1", (), f"http://127.0.0.1:{free_port()}")
+    assert status_line(Child(dead, tmp_path / "log", SimpleNamespace(pid=8), ready=True)).endswith("(metrics unavailable)")

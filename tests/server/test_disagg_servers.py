@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.support.processes import ServerProcess
+from tests.support.waits import nothing_held, wait_metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -55,23 +56,6 @@ def stage1(p: ServerProcess, d: ServerProcess, tid: str, body: dict, timeout: fl
 def stage2(d: ServerProcess, tid: str, body: dict) -> httpx.Response:
     return httpx.post(d.url("/v1/chat/completions"), json={**body, "kv_transfer_params": {"transfer_id": tid}},
                       timeout=120)
-
-
-def wait_metric(proc: ServerProcess, name: str, want: float, timeout: float = 30, **labels: str) -> None:
-    deadline = time.monotonic() + timeout
-    while (got := proc.metric(name, **labels)) != want:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{name}{labels} is {got}, expected {want}")
-        time.sleep(0.2)
-
-
-def nothing_held(p: ServerProcess, d: ServerProcess) -> None:
-    wait_metric(p, "kvmesh_kv_handoffs_held", 0)
-    wait_metric(d, "kvmesh_kv_transfers_reserved", 0)
-    wait_metric(d, "kvmesh_num_requests_running", 0)
-    for proc in (p, d):
-        total = proc.metric("kvmesh_kv_cache_blocks", tier="gpu")
-        wait_metric(proc, "kvmesh_kv_cache_free_blocks", total, tier="gpu")
 
 
 def test_handoff_answers_what_the_decode_engine_computes_itself(prefill, decode):

@@ -1,17 +1,13 @@
-"""Shared pieces of the KV event tests: free ports, a snapshot HTTP server, random event streams."""
+"""KV event fixtures: a snapshot HTTP server and random, self-consistent event streams."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import threading
-import time
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from kvmesh.engine.kv.event_wire import snapshot_to_json
-from kvmesh.engine.util.localproc import free_port_pair  # noqa: F401  (re-exported for the KV tests)
 from kvmesh.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventLog
 
 
@@ -86,10 +82,3 @@ def publish_random(log: KVEventLog, n: int, seed: int) -> None:
     for _ in range(n):
         log.publish(cache.next_event())
 
-
-async def until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        await asyncio.sleep(0.01)

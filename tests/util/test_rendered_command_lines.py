@@ -18,7 +18,7 @@ from kvmesh.engine.router import cli as router_cli
 from kvmesh.engine.router.policies import POLICIES, uses_prefix
 from kvmesh.operator import render as r
 from kvmesh.operator import spec as s
-from tests.operator.conftest import MINIMAL_SPEC
+from tests.support.crs import MINIMAL_SPEC
 
 VOLUME = {"type": "Volume", "volume": {"persistentVolumeClaim": {"claimName": "models"}, "path": "smol"}}
 

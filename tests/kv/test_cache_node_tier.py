@@ -17,7 +17,8 @@ from kvmesh.engine.transfer.client import KVClient
 from kvmesh.engine.transfer.header import BlockHeader, kv_layout
 
 from tests.support.processes import NodeProc
-from .test_host_tier import BS, MAX_NEW, PROMPTS, _params, hf_greedy, loaded, model_dir, tiny_engine  # noqa: F401
+from tests.support.tiny_engine import BS, MAX_NEW, PROMPTS, greedy, hf_greedy, tiny_engine
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,39 +38,32 @@ def node():
 def _engine(model_dir, loaded, node, **kw):  # noqa: F811
     kw.setdefault("cache_node_timeout", 10.0)
     llm = tiny_engine(model_dir, loaded, num_kv_blocks=64, cache_node=f"127.0.0.1:{node.http_port}", **kw)
-    _wait(lambda: llm.engine._cache_node.clients() is not None, "the engine never resolved the cache node")
+    wait_for(lambda: llm.engine._cache_node.clients() is not None, "the engine never resolved the cache node")
     return llm
 
-
-def _wait(cond, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(what)
-        time.sleep(0.05)
 
 
 def _written(llm, n: int) -> None:
     remote = llm.engine.tiers.remote
-    _wait(lambda: remote.inflight_bytes == 0 and remote.snapshot_stats().stored >= n,
+    wait_for(lambda: remote.inflight_bytes == 0 and remote.snapshot_stats().stored >= n,
           f"write-through did not store {n} blocks: {remote.snapshot_stats()}")
 
 
 def test_another_engine_reloads_what_one_wrote_through(model_dir, loaded, node, reference):  # noqa: F811
     writer = _engine(model_dir, loaded, node)
-    assert writer.generate([PROMPTS[0]], _params())[0].token_ids == reference[0]
+    assert writer.generate([PROMPTS[0]], greedy())[0].token_ids == reference[0]
     full = (len(PROMPTS[0]) + MAX_NEW - 1) // BS
     _written(writer, full - 1)
     writer.engine.close()
 
     reader = _engine(model_dir, loaded, node)
-    res = reader.generate([PROMPTS[0], PROMPTS[1]], _params())
+    res = reader.generate([PROMPTS[0], PROMPTS[1]], greedy())
     assert [r.token_ids for r in res] == reference[:2]
     stats = reader.engine.tiers.remote.snapshot_stats()
     assert stats.hits >= (len(PROMPTS[0]) - 1) // BS * BS - BS and stats.promotions > 0, stats
     assert stats.failures == 0
     assert res[0].num_cached_tokens == stats.hits or res[1].num_cached_tokens > 0
-    again = reader.generate([PROMPTS[2]], _params())[0]  # the promoted prefix now hits in the primary pool
+    again = reader.generate([PROMPTS[2]], greedy())[0]  # the promoted prefix now hits in the primary pool
     assert again.token_ids == reference[2]
     reader.engine.check_integrity()
     reader.engine.close()
@@ -77,19 +71,19 @@ def test_another_engine_reloads_what_one_wrote_through(model_dir, loaded, node, 
 
 def test_stopped_then_killed_node_means_recompute(model_dir, loaded, node, reference):  # noqa: F811
     llm = _engine(model_dir, loaded, node, cache_node_timeout=1.0)
-    assert llm.generate([PROMPTS[0]], _params())[0].token_ids == reference[0]
+    assert llm.generate([PROMPTS[0]], greedy())[0].token_ids == reference[0]
     _written(llm, 1)
     llm.engine.kv.reset_prefix_cache()  # force the next request to look on the node
     node.proc.send_signal(signal.SIGSTOP)  # slow: the get times out
     try:
-        assert llm.generate([PROMPTS[1]], _params())[0].token_ids == reference[1]
+        assert llm.generate([PROMPTS[1]], greedy())[0].token_ids == reference[1]
         assert llm.engine.tiers.remote.snapshot_stats().failures >= 1
     finally:
         node.proc.send_signal(signal.SIGKILL)
         node.proc.send_signal(signal.SIGCONT)
         node.proc.wait(10)
     llm.engine.kv.reset_prefix_cache()
-    assert llm.generate([PROMPTS[2]], _params())[0].token_ids == reference[2]  # dead: recompute
+    assert llm.generate([PROMPTS[2]], greedy())[0].token_ids == reference[2]  # dead: recompute
     llm.engine.check_integrity()
     llm.engine.close()
 
@@ -97,11 +91,11 @@ def test_stopped_then_killed_node_means_recompute(model_dir, loaded, node, refer
 def test_node_killed_mid_get_means_recompute(model_dir, loaded, node, reference):  # noqa: F811
     llm = _engine(model_dir, loaded, node, cache_node_timeout=30.0)
     eng = llm.engine
-    assert llm.generate([PROMPTS[0]], _params())[0].token_ids == reference[0]
+    assert llm.generate([PROMPTS[0]], greedy())[0].token_ids == reference[0]
     _written(llm, 1)
     eng.kv.reset_prefix_cache()
     node.proc.send_signal(signal.SIGSTOP)  # the get is sent and waits for an answer ...
-    eng.add_request("mid-get", PROMPTS[1], _params())
+    eng.add_request("mid-get", PROMPTS[1], greedy())
     eng.step()
     assert eng.waiting_on_transfers, "the request did not wait for its fetch"
     node.proc.send_signal(signal.SIGKILL)  # ... and the node dies before answering
@@ -138,7 +132,7 @@ def test_header_mismatch_is_rejected_and_recomputed(model_dir, loaded, node, ref
         parent = h
     with KVClient("127.0.0.1", node.ucx_port, timeout=10) as c:
         assert set(c.put(blocks).result(15)) == {"stored"}
-    res = llm.generate([PROMPTS[0]], _params())[0]
+    res = llm.generate([PROMPTS[0]], greedy())[0]
     assert res.token_ids == reference[0]
     stats = eng.tiers.remote.snapshot_stats()
     assert stats.failures >= 1 and stats.hits == 0
@@ -151,7 +145,7 @@ def test_unreachable_node_drops_saves_and_recomputes(model_dir, loaded, referenc
 
     (port,) = free_ports(1)
     llm = tiny_engine(model_dir, loaded, num_kv_blocks=64, cache_node=f"127.0.0.1:{port}", cache_node_timeout=1.0)
-    assert llm.generate([PROMPTS[0]], _params())[0].token_ids == reference[0]
+    assert llm.generate([PROMPTS[0]], greedy())[0].token_ids == reference[0]
     stats = llm.engine.tiers.remote.snapshot_stats()
     assert stats.dropped > 0 and stats.hits == 0
     assert TIER_REMOTE not in {t for t, h in llm.engine.events.snapshot().hashes.items() if h}
@@ -185,14 +179,14 @@ def test_an_engine_of_another_header_version_sharing_the_node_recomputes_and_har
     import msgspec
 
     writer = _engine(model_dir, loaded, node)
-    assert writer.generate([PROMPTS[0]], _params())[0].token_ids == reference[0]
+    assert writer.generate([PROMPTS[0]], greedy())[0].token_ids == reference[0]
     full = (len(PROMPTS[0]) + MAX_NEW - 1) // BS
     _written(writer, full - 1)
 
     other = _engine(model_dir, loaded, node)
     remote = other.engine.tiers.remote
     remote.layout = msgspec.structs.replace(remote.layout, version=remote.layout.version + 1)
-    res = other.generate([PROMPTS[0], PROMPTS[1]], _params())
+    res = other.generate([PROMPTS[0], PROMPTS[1]], greedy())
     assert [r.token_ids for r in res] == reference[:2]
     stats = remote.snapshot_stats()
     assert stats.hits == 0 and stats.failures >= 1, stats
@@ -202,7 +196,7 @@ def test_an_engine_of_another_header_version_sharing_the_node_recomputes_and_har
     other.engine.close()
 
     reader = _engine(model_dir, loaded, node)  # the same version as the writer: reloads, exact
-    again = reader.generate([PROMPTS[0]], _params())[0]
+    again = reader.generate([PROMPTS[0]], greedy())[0]
     assert again.token_ids == reference[0]
     assert reader.engine.tiers.remote.snapshot_stats().hits > 0
     for llm in (writer, reader):

@@ -13,7 +13,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
 import loadtool  # noqa: E402
 import serving  # noqa: E402
 
-from .fakes import FakeTokenizer  # noqa: E402
+from tests.support.fake_step_engine import FakeTokenizer  # noqa: E402
 
 
 def test_percentile_interpolates():

@@ -3,20 +3,16 @@ evicted prefixes from it on a tiny random model against transformers' unpaged fo
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
 from kvmesh.engine.config import ConfigError, EngineConfig
-from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.kv.block_pool import KVBlock
 from kvmesh.engine.kv.events import TIER_CPU, TIER_GPU, BlockRemoved, BlockStored
 from kvmesh.engine.kv.host_tier import HostTier
-from kvmesh.engine.llm import LLM
-from kvmesh.engine.sampling import SamplingParams
 
-from tests.support.tiny_models import make_tiny_hf_model
+from tests.support.tiny_engine import BS, OTHER, PROMPTS, greedy, hf_greedy, tiny_engine
 
 SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, block_size, heads, head_dim
 
@@ -104,68 +100,24 @@ def test_promoted_slots_are_not_reused_before_the_flush():
 
 # ---- the engine ------------------------------------------------------------------------------------------------
 
-MAX_NEW = 8
-BS = 4
-PREFIX = [(11 * j) % 800 + 50 for j in range(40)]  # 10 full blocks
-PROMPTS = [PREFIX + [(13 * i + 7 * j) % 900 + 20 for j in range(5 + i)] for i in range(3)]
-OTHER = [[(17 * i + 5 * j) % 900 + 30 for j in range(48)] for i in range(3)]  # evicts PREFIX from a small pool
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_hf_model("llama", tmp_path_factory.mktemp("host-tier"))
-
-
-@pytest.fixture(scope="module")
-def loaded(model_dir):
-    from kvmesh.engine.model.loader import load_model
-
-    return load_model(str(model_dir), torch.float32)
-
-
-def hf_greedy(model_dir, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
-    """transformers' greedy tokens, recomputing the whole unpaged sequence every step."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(max_new):
-                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-            out.append(ids[len(prompt):])
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(model_dir):
     return hf_greedy(model_dir, PROMPTS + OTHER)
 
 
-def tiny_engine(model_dir, loaded, **cfg) -> LLM:
-    config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", block_size=BS, **cfg)
-    return LLM(engine=LLMEngine(config, loaded=dataclasses.replace(loaded, weights=dict(loaded.weights)),
-                                debug_checks=True))
-
-
-def _params() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-
-
 def test_evicted_prefix_comes_back_from_the_host_tier_and_is_promoted(model_dir, loaded, reference):
     llm = tiny_engine(model_dir, loaded, num_kv_blocks=20, cpu_kv_bytes=1 << 20)
     eng = llm.engine
-    first = llm.generate([PROMPTS[0]], _params())[0]
+    first = llm.generate([PROMPTS[0]], greedy())[0]
     assert first.token_ids == reference[0]
-    others = llm.generate(OTHER, _params())
+    others = llm.generate(OTHER, greedy())
     assert [r.token_ids for r in others] == reference[len(PROMPTS):]
     cpu = eng.events.snapshot().hashes[TIER_CPU]
     assert cpu, "nothing was evicted into the host tier"
     host = eng.tiers.host
     assert host.stats.stored > 0 and eng.stats().kv_evictions >= host.stats.stored
 
-    second = llm.generate([PROMPTS[1]], _params())[0]  # shares the 10-block prefix, now on the host
+    second = llm.generate([PROMPTS[1]], greedy())[0]  # shares the 10-block prefix, now on the host
     assert second.token_ids == reference[1]
     assert host.stats.hits > 0 and host.stats.promotions > 0
     assert second.num_cached_tokens >= host.stats.hits
@@ -173,7 +125,7 @@ def test_evicted_prefix_comes_back_from_the_host_tier_and_is_promoted(model_dir,
     assert not (snap[TIER_GPU] & snap[TIER_CPU]), "a block is advertised in two tiers"
 
     hits_before = eng.stats().prefix_hits
-    third = llm.generate([PROMPTS[2]], _params())[0]  # promoted blocks now hit in the primary pool
+    third = llm.generate([PROMPTS[2]], greedy())[0]  # promoted blocks now hit in the primary pool
     assert third.token_ids == reference[2]
     assert eng.stats().prefix_hits - hits_before >= host.stats.hits
     eng.check_integrity()
@@ -181,7 +133,7 @@ def test_evicted_prefix_comes_back_from_the_host_tier_and_is_promoted(model_dir,
 
 def test_zero_hits_with_the_tier_on_change_nothing(model_dir, loaded, reference):
     llm = tiny_engine(model_dir, loaded, num_kv_blocks=16, cpu_kv_bytes=1 << 20, max_num_batched_tokens=12)
-    res = llm.generate(OTHER + PROMPTS, _params())
+    res = llm.generate(OTHER + PROMPTS, greedy())
     assert [r.token_ids for r in res] == reference[len(PROMPTS):] + reference[:len(PROMPTS)]
     llm.engine.check_integrity()
 
@@ -189,7 +141,7 @@ def test_zero_hits_with_the_tier_on_change_nothing(model_dir, loaded, reference)
 def test_tiny_host_tier_drops_and_counts(model_dir, loaded, reference):
     block_bytes = 2 * 2 * BS * 2 * 16 * 4  # layers, K/V, block, kv heads, head_dim, fp32
     llm = tiny_engine(model_dir, loaded, num_kv_blocks=16, cpu_kv_bytes=2 * block_bytes)
-    res = llm.generate(OTHER + PROMPTS, _params())
+    res = llm.generate(OTHER + PROMPTS, greedy())
     assert [r.token_ids for r in res] == reference[len(PROMPTS):] + reference[:len(PROMPTS)]
     host = llm.engine.tiers.host
     assert host.num_slots == 2 and host.used_blocks <= 2 and host.stats.evictions > 0

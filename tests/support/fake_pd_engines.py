@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from .fakes import FakeEngine, json_response
+from .fake_http_engine import FakeEngine, json_response
 
 DECODERS: dict[int, FakeDecode] = {}
 """Transfer port -> the fake decode engine listening on it."""

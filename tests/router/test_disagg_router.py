@@ -19,7 +19,7 @@ from tests.support.processes import RouterProcess
 from kvmesh.engine.util.localproc import free_port_pair
 from tests.support.processes import ServerProcess
 
-from .test_disagg_servers import nothing_held, wait_metric
+from tests.support.waits import nothing_held, wait_metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
