@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
 
+from kvmesh.engine.dtype_choice import AUTO, DtypeChoice, canonical_dtype, resolve_dtype
 from kvmesh.engine.util.cliargs import parse_size
 from kvmesh.engine.util.setting import setting
 
@@ -24,19 +25,20 @@ class ConfigError(ValueError):
 if TYPE_CHECKING:
     import torch
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
-
-
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """A concrete dtype name (or alias) as a ``torch.dtype``; ``auto`` is resolved first
+    (``EngineConfig.dtype_choice``)."""
     import torch
 
     if isinstance(name, torch.dtype):
         return name
     try:
-        return getattr(torch, _DTYPES[name.lower()])
-    except KeyError:
-        raise ConfigError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16") from None
+        n = canonical_dtype(name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if n == AUTO:
+        raise ConfigError("dtype 'auto' names no dtype until it is resolved for a device (EngineConfig.dtype_choice)")
+    return getattr(torch, n)
 
 
 @dataclass
@@ -64,8 +66,10 @@ class EngineConfig:
     """
 
     model: str = "default"  # the CLI's --model/--model-path/--config resolve to this (server/cli.py)
-    dtype: str = setting("bfloat16", "--dtype", group=MODEL,
-                         help="float32, bfloat16 or float16 (default: %(default)s)")
+    dtype: str = setting("auto", "--dtype", group=MODEL,
+                         help="auto, float32, bfloat16 or float16; auto picks what the device computes natively: "
+                              "bfloat16 on CPUs with AVX512_BF16 or AMX-BF16 and on GPUs from sm_80, float32 on "
+                              "other CPUs, float16 on older GPUs (default: %(default)s)")
     device: str = setting("auto", "--device", group=MODEL, help="auto, cpu or cuda[:N] (default: %(default)s)")
     block_size: int = setting(16, "--block-size", group=KV, type=int,
                               help="tokens per KV block (default: %(default)s)")
@@ -122,8 +126,15 @@ class EngineConfig:
             raise ConfigError("device 'cuda' requested but no CUDA device is available")
         return dev
 
+    def dtype_choice(self) -> DtypeChoice:
+        """The compute dtype on the resolved device and why (engine/dtype_choice.py)."""
+        try:
+            return resolve_dtype(self.dtype, self.resolved_device())
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
     def torch_dtype(self) -> torch.dtype:
-        return parse_dtype(self.dtype)
+        return parse_dtype(self.dtype_choice().dtype)
 
     def validate(self) -> "EngineConfig":
         if self.block_size < 1:
@@ -152,5 +163,8 @@ class EngineConfig:
             raise ConfigError(f"kv_transfer_reserve_tokens must be >= 0, got {self.kv_transfer_reserve_tokens!r}")
         if self.kv_transfer_timeout <= 0:
             raise ConfigError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout}")
-        parse_dtype(self.dtype)
+        try:
+            canonical_dtype(self.dtype)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return self

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvmesh.engine.config import ConfigError, EngineConfig
+from kvmesh.engine.config import ConfigError, EngineConfig, parse_dtype
 from kvmesh.engine.block_hash import extra_key
 from kvmesh.engine.disagg.decode_side import DecodeRole, DecodeTransfers
 from kvmesh.engine.disagg.errors import HandoffError
@@ -149,7 +149,9 @@ class LLMEngine:
                  engine_id: str | None = None, debug_checks: bool = False) -> None:
         self.config = cfg = (config or EngineConfig()).validate()
         self.device = cfg.resolved_device()
-        self.dtype = cfg.torch_dtype()
+        self.dtype_choice = choice = cfg.dtype_choice()
+        self.dtype = parse_dtype(choice.dtype)
+        log.info("compute dtype %s (%s)", choice.dtype, choice.reason)
         if cfg.num_threads and self.device.type == "cpu":
             torch.set_num_threads(cfg.num_threads)
         self.loaded = loaded or load_model(cfg.model, self.dtype)

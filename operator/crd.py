@@ -1,7 +1,7 @@
 """The InferenceDeployment CustomResourceDefinition, built as data.
 
 The CRD is generated from this module so that its defaults come from the same
-constants `spec.parse_spec` applies (spec.py). `python -m kvmesh.operator.crd`
+constants `spec.parse_spec` applies (spec.py). `python -m kvmesh.operator.generate`
 rewrites crds/, the chart's copy and docs/crd-reference.md; a unit test fails
 when a committed copy differs from what this module builds.
 
@@ -201,7 +201,10 @@ def _model() -> dict[str, Any]:
             "format": string("Weights format.", "Auto", enum=list(s.MODEL_FORMATS)),
             "dtype": string(
                 "Dtype of the engines' weights, activations and KV blocks (`kvmesh serve --dtype`); "
-                "prefill and decode pools always share it, as a KV handoff requires.",
+                "`auto` picks what each node computes natively (bfloat16 on CPUs with AVX512_BF16 or "
+                "AMX-BF16 and GPUs from sm_80, float32 on other CPUs, float16 on older GPUs). Prefill "
+                "and decode pools always share the field; set a dtype when they may land on different "
+                "kinds of node, since a KV handoff needs the same dtype on both sides.",
                 s.DEFAULT_DTYPE,
                 enum=list(s.DTYPES),
             ),

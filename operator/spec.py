@@ -29,13 +29,14 @@ ROUTER_POLICIES = ("cache-aware", "session", "least-load", "round-robin")
 PREFIX_ROUTER_POLICIES = ("cache-aware", "session")
 SOURCE_TYPES = ("Embedded", "Volume", "URI")
 MODEL_FORMATS = ("Auto", "GGUF", "Safetensors")
-# Weights and KV dtype of the engines (`kvmesh serve --dtype`); the engine's own default is bfloat16.
-DTYPES = ("bfloat16", "float16", "float32")
+# Weights and KV dtype of the engines (`kvmesh serve --dtype`); `auto`, the engine's own default,
+# picks what each engine's node computes natively (engine/dtype_choice.py).
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 
 DEFAULT_IMAGE = "kvmesh/kvmesh:0.1.0"
 DEFAULT_PULL_POLICY = "IfNotPresent"
-DEFAULT_DTYPE = "bfloat16"
+DEFAULT_DTYPE = "auto"
 DEFAULT_REPLICAS = 1
 DEFAULT_GPUS = 1
 DEFAULT_CACHE_MEMORY = "8Gi"

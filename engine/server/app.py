@@ -76,7 +76,10 @@ class ServerApp:
     def _on_loaded(self) -> None:
         names = self.served_names()
         self.serving.served_names = names
-        self.metrics.set_model(names[0], self.aengine.engine.config.block_size)
+        engine = self.aengine.engine
+        choice = getattr(engine, "dtype_choice", None)  # a test's fake engine may have none
+        self.metrics.set_model(names[0], engine.config.block_size, choice.dtype if choice else "",
+                               choice.source if choice else "", str(getattr(engine, "device", "")))
         if self.kv_publisher is not None:
             self.kv_publisher.start(self.aengine.engine.events)
         self.disagg.on_loaded()

@@ -102,10 +102,14 @@ class ServerMetrics:
                                        "decode engine (after the prefill).", REQUEST_LATENCY_BUCKETS, lbl)
         r.register(CallbackCollector(self._engine_families))
 
-    def set_model(self, model_name: str, block_size: int) -> None:
-        """Bind the label values (known once the model is loaded; nothing is observed before)."""
+    def set_model(self, model_name: str, block_size: int, dtype: str = "", dtype_source: str = "",
+                  device: str = "") -> None:
+        """Bind the label values (known once the model is loaded; nothing is observed before).
+        ``dtype``/``dtype_source``/``device`` label ``kvmesh_engine_info``: the compute dtype and
+        whether ``--dtype`` set it ("flag") or ``auto`` chose it for the device ("auto")."""
         self.model_name = model_name
         self.block_size = block_size
+        self._info = {"model_name": model_name, "dtype": dtype, "dtype_source": dtype_source, "device": device}
         if not model_name:
             return  # no empty-labelled histogram series while the model loads
         self._ttft = self._hist_ttft.labels(model_name)
@@ -188,6 +192,9 @@ class ServerMetrics:
         s = self._stats()
         if s is None:
             return
+        if self._info.get("dtype"):
+            yield gauge_family("kvmesh_engine_info", "1, labelled with the engine's compute dtype, how it was "
+                               "chosen (flag or auto) and its device.", 1.0, self._info)
         yield gauge_family("kvmesh_num_requests_running", "Sequences in the running batch.", s.num_running, model)
         yield gauge_family("kvmesh_num_requests_waiting", "Sequences waiting to be scheduled.",
                            s.num_waiting, model)

@@ -53,7 +53,7 @@ def test_minimal_valid_spec_is_accepted_and_defaulted(cluster, crd_installed, na
     assert spec["slo"]["percentile"] == 95
     assert spec["model"]["source"]["type"] == "Embedded"
     assert spec["autoscaling"]["enabled"] is False
-    assert spec["model"]["dtype"] == "bfloat16"
+    assert spec["model"]["dtype"] == "auto"
 
 
 @pytest.mark.parametrize("name,spec,message", [

@@ -120,9 +120,9 @@ def test_scale_selector_in_status_selects_the_decode_pods():
 
 
 def test_model_dtype_is_one_of_what_the_engine_accepts():
-    from kvmesh.engine.config import parse_dtype
+    from kvmesh.engine.config import EngineConfig
 
     dtype = schema()["properties"]["spec"]["properties"]["model"]["properties"]["dtype"]
-    assert dtype["default"] == "bfloat16"
+    assert dtype["default"] == "auto" == EngineConfig().dtype
     for name in dtype["enum"]:
-        parse_dtype(name)  # raises for a name `kvmesh serve --dtype` would refuse
+        EngineConfig(dtype=name).validate()  # raises for a name `kvmesh serve --dtype` would refuse

@@ -269,7 +269,7 @@ def test_configmap_carries_the_autoscaler_bounds_per_resized_pool():
     assert set(cfg["autoscaling"]["pools"]) == {"decode"}
 
 
-@pytest.mark.parametrize("dtype", [None, "bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("dtype", [None, "auto", "bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("colocated", [False, True])
 def test_engines_run_the_model_dtype(dtype, colocated, tmp_path):
     """Every engine command line names the dtype (the default too), and `kvmesh serve` parses it,
@@ -288,7 +288,7 @@ def test_engines_run_the_model_dtype(dtype, colocated, tmp_path):
     config.write_text(by_key(objs)[("ConfigMap", "llm-config")]["data"][r.CONFIG_FILE])
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    want = dtype or "bfloat16"
+    want = dtype or "auto"
     for c in ("prefill", "decode"):
         line = argv(objs, c)
         line[line.index("--config") + 1] = str(config)  # the ConfigMap's mount, here
@@ -297,7 +297,7 @@ def test_engines_run_the_model_dtype(dtype, colocated, tmp_path):
         engine = settings_from_args(args).engine
         assert engine.dtype == want
         engine.validate()
-        assert engine.torch_dtype() == parse_dtype(want)
+        assert engine.torch_dtype() == parse_dtype(engine.dtype_choice().dtype)
     for c in ("cache", "router"):
         assert "--dtype" not in argv(objs, c)
     cfg = yaml.safe_load(by_key(objs)[("ConfigMap", "llm-config")]["data"][r.CONFIG_FILE])

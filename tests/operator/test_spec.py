@@ -55,10 +55,10 @@ def test_uri_source_needs_uri():
 
 
 def test_model_dtype_defaults_to_the_engines_default_and_is_checked():
-    assert s.parse_spec({"model": {"name": "m"}}).model.dtype == s.DEFAULT_DTYPE == "bfloat16"
+    assert s.parse_spec({"model": {"name": "m"}}).model.dtype == s.DEFAULT_DTYPE == "auto"
     for dtype in s.DTYPES:
         assert s.parse_spec({"model": {"name": "m", "dtype": dtype}}).model.dtype == dtype
-    with pytest.raises(s.SpecError, match=r"spec.model.dtype must be one of bfloat16, float16, float32"):
+    with pytest.raises(s.SpecError, match=r"spec.model.dtype must be one of auto, bfloat16, float16, float32"):
         s.parse_spec({"model": {"name": "m", "dtype": "fp8"}})
 
 

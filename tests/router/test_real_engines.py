@@ -72,6 +72,18 @@ def routed_to(router: RouterProcess, engines) -> dict[str, float]:
             for e in engines}
 
 
+def test_engines_started_without_a_dtype_run_what_this_cpu_computes_natively(fleet):
+    """`--dtype auto` is the default: the engines report the dtype the rule picks for this CPU."""
+    from kvmesh.engine.dtype_choice import choose_dtype, cpu_flags
+
+    want = choose_dtype("auto", "cpu", cpu_flags()).dtype
+    for e in fleet[0]:
+        samples = parse_samples(httpx.get(e.url("/metrics"), timeout=10).text)
+        info = [dict(ls) for (n, ls), v in samples.items() if n == "kvmesh_engine_info" and v == 1]
+        assert len(info) == 1 and info[0]["dtype"] == want and info[0]["dtype_source"] == "auto", info
+        assert httpx.get(e.url("/kv/info"), timeout=10).json()["dtype"] == want
+
+
 def test_a_request_sharing_a_long_prefix_goes_to_the_engine_that_cached_it(fleet):
     engines, router = fleet
     system = SYSTEM * 6  # several hundred tokens: many full blocks
