@@ -104,6 +104,7 @@ class EngineConfig:
         help="host KV tier, e.g. 8GiB: blocks evicted from the KV pool are kept in host memory and loaded "
              "back on a prefix hit (default: off)")
     cache_node: str | None = None  # the CLI's --cache-node, checked in server/cli.py
+    auth_token_file: str | None = None  # the CLI's --auth-token-file: the engine's calls to the cache node carry it
     cache_node_timeout: float = setting(
         5.0, "--cache-node-timeout", group=KV, type=float, metavar="SECONDS",
         help="bound on one cache-node transfer; past it the blocks are recomputed (default: %(default)s)")

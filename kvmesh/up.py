@@ -14,6 +14,7 @@ lines; Ctrl-C or SIGTERM stops the router first (no new work), then the engines,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -53,6 +54,8 @@ class UpOptions:
     cache_node_port: int = 8090  # its HTTP port; its UCX port is the next one
     cache_node_memory: str = "1GiB"
     cpu_kv_bytes: str | None = None  # each engine's host KV tier
+    auth_token_file: str | None = None  # the internal token every process checks (up writes one)
+    api_key_files: tuple[str, ...] = ()  # client keys the router checks
     kv_transfer_base_port: int = 8200  # decode engine j receives KV (UCX) on this port + j
 
     @property
@@ -125,7 +128,8 @@ def plan(opts: UpOptions, cores: int) -> list[ProcSpec]:
     node = f"{opts.host}:{opts.cache_node_port}" if opts.cache_node else None
     if node:
         specs.append(ProcSpec("cache-node", tuple(fa.cache_node_args(fa.CacheNodeLine(
-            opts.cache_node_memory, host=opts.host, port=opts.cache_node_port, ucx_port=opts.cache_node_port + 1))),
+            opts.cache_node_memory, host=opts.host, port=opts.cache_node_port, ucx_port=opts.cache_node_port + 1,
+            auth_token_file=opts.auth_token_file))),
             f"http://{node}"))
     urls: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     for i, (name, role) in enumerate(roles):
@@ -133,15 +137,32 @@ def plan(opts: UpOptions, cores: int) -> list[ProcSpec]:
         line = fa.EngineLine(role=role, model=opts.model, host=opts.host, port=port, num_threads=threads,
                              kv_events_port=opts.kv_events_base_port + 2 * i,
                              kv_transfer_port=transfer_port.get(i), kv_cache_bytes=opts.kv_cache_bytes,
-                             cache_node=node, cpu_kv_bytes=opts.cpu_kv_bytes, extra=tuple(opts.serve_args))
+                             cache_node=node, cpu_kv_bytes=opts.cpu_kv_bytes, auth_token_file=opts.auth_token_file,
+                             extra=tuple(opts.serve_args))
         url = f"http://{opts.host}:{port}"
         urls[role].append(url)
         specs.append(ProcSpec(name, tuple(fa.serve_args(line)), url, env))
     prefill = fa.Pool(urls=tuple(urls["prefill"])) if urls["prefill"] else None
     router = fa.RouterLine(decode=fa.Pool(urls=tuple(urls["decode"] or urls["both"])), prefill=prefill,
-                           policy=opts.policy, model=opts.model, host=opts.host, port=opts.port)
-    specs.append(ProcSpec("router", tuple(fa.router_args(router)), f"http://{opts.host}:{opts.port}"))
+                           policy=opts.policy, model=opts.model, host=opts.host, port=opts.port,
+                           auth_token_file=opts.auth_token_file)
+    keys = tuple(a for f in opts.api_key_files for a in ("--api-key-file", f))
+    specs.append(ProcSpec("router", (*fa.router_args(router), *keys), f"http://{opts.host}:{opts.port}"))
     return specs
+
+
+def write_token(run_dir: Path) -> Path:
+    """A fresh internal token in ``run_dir/auth-token``, readable by this user only (a new one per
+    run: nothing outside this run's processes holds it)."""
+    import secrets
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = (run_dir / "auth-token").resolve()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    os.chmod(path, 0o600)
+    return path
 
 
 def kvmesh_argv() -> list[str]:
@@ -363,6 +384,12 @@ def add_up_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-timeout", type=float, default=900.0, metavar="SECONDS",
                    help="how long a process may take to become ready")
     p.add_argument("--log-dir", default=None, help="where each process logs (default: a new temporary directory)")
+    p.add_argument("--no-auth", dest="auth", action="store_false",
+                   help="run without the internal token (by default up writes one to <log dir>/auth-token, "
+                        "mode 0600, and every process checks it on its admin and internal endpoints)")
+    p.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
+                   help="client API keys the router requires, one per line (repeatable; default: none, "
+                        "the OpenAI endpoints are open)")
     p.set_defaults(func=handler)
 
 
@@ -373,7 +400,11 @@ def handler(args: argparse.Namespace) -> int:
                      kv_events_base_port=args.kv_events_base_port, model=args.model, policy=args.policy,
                      threads=args.threads, kv_cache_bytes=args.kv_cache_bytes, serve_args=tuple(args.serve_arg),
                      cache_node=args.cache_node, cache_node_port=args.cache_node_port,
-                     cache_node_memory=args.cache_node_memory, cpu_kv_bytes=args.cpu_kv_bytes)
+                     cache_node_memory=args.cache_node_memory, cpu_kv_bytes=args.cpu_kv_bytes,
+                     api_key_files=tuple(args.api_key_file))
+    run_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvmesh-up-"))
+    if args.auth:
+        opts = dataclasses.replace(opts, auth_token_file=str(write_token(run_dir)))
     try:
         specs = plan(opts, os.cpu_count() or 1)
     except UpError as e:
@@ -388,5 +419,4 @@ def handler(args: argparse.Namespace) -> int:
         except ModelFetchError as e:
             print(f"kvmesh up: {e}", file=sys.stderr)
             return 1
-    run_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvmesh-up-"))
     return Supervisor(specs, run_dir, args.ready_timeout).run(args.status_interval)

@@ -59,6 +59,7 @@ def production_ops() -> KubeOps:
         apply=kube.apply,
         deployments=kube.child_deployments,
         patch_status=kube.patch_status,
+        create_if_absent=kube.create_if_absent,
         apply_error=kube.ApplyError,
         pods=kube.owner_pods,
     )
@@ -70,12 +71,14 @@ def production_autoscaler(reconciler: Reconciler, opts: OperatorOptions,
 
     def pods(ns: str, name: str, pool: str) -> list[PodInfo]:
         found = kube.ready_pool_pods(ns, name, pool, ENGINE_PORT)
-        return [PodInfo(p["name"], p["endpoint"], engine_admin.in_flight(p["endpoint"]))
+        token = kube.auth_token(ns, name) if found else None  # /admin/drain needs it
+        return [PodInfo(p["name"], p["endpoint"], engine_admin.in_flight(p["endpoint"], token), token)
                 for p in found]
 
     def recorded_drains(ns: str, name: str, pool: str) -> list[tuple[PodInfo, str]]:
-        return [(PodInfo(p["name"], p["endpoint"], None), p["annotations"][DRAIN_ANNOTATION])
-                for p in kube.pool_pods(ns, name, pool, ENGINE_PORT) if DRAIN_ANNOTATION in p["annotations"]]
+        found = [p for p in kube.pool_pods(ns, name, pool, ENGINE_PORT) if DRAIN_ANNOTATION in p["annotations"]]
+        token = kube.auth_token(ns, name) if found else None
+        return [(PodInfo(p["name"], p["endpoint"], None, token), p["annotations"][DRAIN_ANNOTATION]) for p in found]
 
     def router_readiness(ns: str, name: str) -> list[tuple[str, dict | None]]:
         return [(p["name"], engine_admin.ready_report(p["endpoint"]))
@@ -86,10 +89,10 @@ def production_autoscaler(reconciler: Reconciler, opts: OperatorOptions,
 
     return AutoscaleRunner(source, AutoscaleIO(
         ready_pods=pods,
-        start_drain=lambda pod: engine_admin.start_drain(pod.endpoint, opts.drain_lease_s),
-        cancel_drain=lambda pod: engine_admin.cancel_drain(pod.endpoint),
-        in_flight=lambda pod: engine_admin.in_flight(pod.endpoint),
-        is_draining=lambda pod: engine_admin.is_draining(pod.endpoint),
+        start_drain=lambda pod: engine_admin.start_drain(pod.endpoint, opts.drain_lease_s, pod.token),
+        cancel_drain=lambda pod: engine_admin.cancel_drain(pod.endpoint, pod.token),
+        in_flight=lambda pod: engine_admin.in_flight(pod.endpoint, pod.token),
+        is_draining=lambda pod: engine_admin.is_draining(pod.endpoint, pod.token),
         record_drain=lambda ns, pod, record: kube.annotate_pod(ns, pod.name, {DRAIN_ANNOTATION: record}),
         recorded_drains=recorded_drains,
         mark_for_deletion=lambda ns, pod: kube.annotate_pod(ns, pod.name,

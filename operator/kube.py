@@ -18,7 +18,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from . import spec as s
-from .render import MANAGED_BY, OWNER_LABEL
+from .render import AUTH_KEY, MANAGED_BY, OWNER_LABEL
 
 FIELD_MANAGER = MANAGED_BY
 APPLY = "application/apply-patch+yaml"
@@ -79,6 +79,34 @@ def apply(manifest: Mapping[str, Any]) -> None:
             raise ValueError(f"the operator does not manage {kind} objects")
     except ApiException as exc:
         raise ApplyError(f"{kind} {meta['name']}: {_reason(exc)}") from exc
+
+
+def create_if_absent(manifest: Mapping[str, Any]) -> None:
+    """Create a namespaced Secret unless one of its name exists (a token is never replaced)."""
+    meta = manifest["metadata"]
+    if manifest["kind"] != "Secret":
+        raise ValueError(f"create_if_absent creates Secrets only, not {manifest['kind']}")
+    try:
+        client.CoreV1Api(api_client()).create_namespaced_secret(meta["namespace"], manifest,
+                                                                 field_manager=FIELD_MANAGER)
+    except ApiException as exc:
+        if exc.status != 409:  # AlreadyExists: the token stays as it is
+            raise ApplyError(f"Secret {meta['name']}: {_reason(exc)}") from exc
+
+
+def auth_token(namespace: str, owner_name: str) -> str | None:
+    """The deployment's internal token from its Secret (None when it is not there yet)."""
+    import base64
+
+    name = f"{owner_name}-auth"  # render.auth_secret_name
+    try:
+        secret = client.CoreV1Api(api_client()).read_namespaced_secret(name, namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    raw = (secret.data or {}).get(AUTH_KEY)
+    return base64.b64decode(raw).decode().strip() if raw else None
 
 
 def get_inference_deployment(namespace: str, name: str) -> dict[str, Any] | None:

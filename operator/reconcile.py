@@ -11,13 +11,14 @@ resync) simply asks for a pass.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Mapping
 
 from . import spec as s
-from .render import Owner, render_all
+from .render import Owner, render_all, render_auth_secret
 from .status import compute_status, status_changed
 
 log = logging.getLogger("kvmesh.operator")
@@ -39,6 +40,8 @@ class KubeOps:
     apply: Callable[[Mapping[str, Any]], None]
     deployments: Callable[[str, str, str], Mapping[str, Mapping[str, Any]]]
     patch_status: Callable[[str, str, Mapping[str, Any]], None]
+    # Create an object only if it does not exist yet (the auth Secret: its token must never be replaced).
+    create_if_absent: Callable[[Mapping[str, Any]], None]
     apply_error: type[Exception] = RuntimeError
     # (ns, name) -> the owner's pods by component, for crash-loop detection; None: not read.
     pods: Callable[[str, str], Mapping[str, list[Mapping[str, Any]]]] | None = None
@@ -69,6 +72,11 @@ class Reconciler:
         except s.SpecError as exc:
             manifests, error, reason = [], str(exc), "InvalidSpec"
         failures = []
+        if manifests:
+            try:
+                self.ops.create_if_absent(render_auth_secret(Owner.from_object(obj), secrets.token_urlsafe(32)))
+            except self.ops.apply_error as exc:
+                failures.append(str(exc))
         for manifest in manifests:
             try:
                 self.ops.apply(manifest)

@@ -45,6 +45,11 @@ CACHE_UCX_PORT = ENGINE_PORT + 1
 KV_TRANSFER_PORT = ENGINE_PORT + 1
 CONFIG_DIR = "/etc/kvmesh"
 CONFIG_FILE = "kvmesh.yaml"
+# The deployment's internal token (a Secret the operator creates once, never renders: rendering is
+# pure and a token must be random); mounted into every pod, named by --auth-token-file.
+AUTH_DIR = "/var/run/kvmesh/auth"
+AUTH_KEY = "token"
+AUTH_TOKEN_FILE = f"{AUTH_DIR}/{AUTH_KEY}"
 MODEL_DIR = "/models"
 GPU_RESOURCE = "nvidia.com/gpu"
 # Host memory a cache node needs beyond its KV capacity (process, buffers).
@@ -83,6 +88,22 @@ class Owner:
 
 def child_name(owner: Owner, component: str) -> str:
     return f"{owner.name}-{component}"
+
+
+def auth_secret_name(owner: Owner) -> str:
+    return f"{owner.name}-auth"
+
+
+def render_auth_secret(owner: Owner, token: str) -> dict[str, Any]:
+    """The Secret holding the deployment's internal token (created when absent, never replaced:
+    rotate it by editing the Secret; the pods re-read the mounted file)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(owner, auth_secret_name(owner), None),
+        "type": "Opaque",
+        "stringData": {AUTH_KEY: token},
+    }
 
 
 def config_name(owner: Owner) -> str:
@@ -201,7 +222,8 @@ def drain_timeout_s(c: s.Component) -> int:
 def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[str]:
     """The `kvmesh ...` command line a pool's container runs (engine/util/fleet_args.py renders
     it, as for `kvmesh up`)."""
-    common = {"host": "0.0.0.0", "port": ENGINE_PORT, "config": f"{CONFIG_DIR}/{CONFIG_FILE}"}
+    common = {"host": "0.0.0.0", "port": ENGINE_PORT, "config": f"{CONFIG_DIR}/{CONFIG_FILE}",
+              "auth_token_file": AUTH_TOKEN_FILE}
     cache = _endpoint(owner, "cache") if spec.cache.replicas > 0 else None
     if component in ("prefill", "decode"):
         role = "both" if component == "decode" and spec.colocated else component
@@ -307,9 +329,11 @@ def render_deployment(
     c = spec.component(component)
     engine = component in ("prefill", "decode")
     volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": config_name(owner)}}
+        {"name": "config", "configMap": {"name": config_name(owner)}},
+        {"name": "auth", "secret": {"secretName": auth_secret_name(owner), "items": [{"key": AUTH_KEY, "path": AUTH_KEY}]}},
     ]
-    mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                                    {"name": "auth", "mountPath": AUTH_DIR, "readOnly": True}]
     if engine:
         # torch's inter-process tensors live in /dev/shm, which defaults to 64Mi.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})

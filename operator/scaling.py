@@ -31,7 +31,7 @@ drain ends (never a count fixed earlier), so no undrained pod is removed.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from .autoscaler import Decision
@@ -50,6 +50,7 @@ class PodInfo:
     name: str
     endpoint: str  # host:port of the engine's HTTP API
     in_flight: int | None  # None: the pod did not answer
+    token: str | None = field(default=None, repr=False, compare=False)  # the deployment's internal token
 
 
 @dataclass(frozen=True)

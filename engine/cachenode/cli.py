@@ -11,6 +11,7 @@ import logging
 import sys
 from typing import Any
 
+from kvmesh.engine.api.auth import AuthConfigError, add_auth_arguments, credentials_from_args
 from kvmesh.engine.util.cliargs import parse_size, port_or_zero
 
 
@@ -32,6 +33,7 @@ def add_cache_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--payload-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="how long a put's block data may take to arrive (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add_auth_arguments(p, client_keys=False)
 
 
 def add_cache_node_subcommand(sub: Any) -> None:
@@ -65,9 +67,13 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     if args.kv_events_port == 65535:
         raise SystemExit("kvmesh cache-node: --kv-events-port must leave room for the replay port (+1)")
     ucx_port = args.ucx_port if args.ucx_port is not None else (args.port + 1 if args.port else 0)
+    try:
+        auth = credentials_from_args(args)
+    except AuthConfigError as e:
+        raise SystemExit(f"kvmesh cache-node: {e}") from None
     return NodeSettings(memory=memory, host=args.host, port=args.port, ucx_port=ucx_port, node_id=args.node_id,
                         kv_events_port=args.kv_events_port, kv_events_host=args.kv_events_host or "",
-                        payload_timeout=args.payload_timeout)
+                        payload_timeout=args.payload_timeout, auth=auth)
 
 
 def run_cache_node(args: argparse.Namespace) -> int:

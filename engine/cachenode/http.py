@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..api.auth import Credentials, access_for
 from ..kv.event_wire import snapshot_to_json
 from ..kv.events import KVEventLog
 from .store import BlockStore
@@ -44,9 +45,10 @@ _COUNTERS = {  # StoreStats field -> (metric name without kvmesh_cachenode_ and 
 class CacheNodeCollector:
     """Prometheus collector reading the store at scrape time (no per-request metric updates)."""
 
-    def __init__(self, store: BlockStore, connections: Callable[[], int]) -> None:
+    def __init__(self, store: BlockStore, connections: Callable[[], int], refused: Callable[[], int] = lambda: 0) -> None:
         self.store = store
         self.connections = connections
+        self.refused = refused
 
     def collect(self) -> Iterator[Any]:
         s = self.store
@@ -70,6 +72,10 @@ class CacheNodeCollector:
             c = CounterMetricFamily(f"kvmesh_cachenode_{name}", doc)
             c.add_metric([], stats[field])
             yield c
+        c = CounterMetricFamily("kvmesh_cachenode_auth_refused", "HTTP requests refused for a missing or wrong "
+                                                                 "internal token")
+        c.add_metric([], self.refused())
+        yield c
 
 
 class SidePort:
@@ -77,9 +83,13 @@ class SidePort:
 
     def __init__(self, host: str, port: int, store: BlockStore, events: KVEventLog,
                  info: Callable[[], dict[str, Any]], ready: Callable[[], bool],
-                 connections: Callable[[], int]) -> None:
+                 connections: Callable[[], int], auth: Credentials | None = None) -> None:
+        """``auth``: /kv/snapshot and /kv/info need its internal token (api/auth.py)."""
+        auth = auth or Credentials()
+        self.refused = 0
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(CacheNodeCollector(store, connections))
+        registry.register(CacheNodeCollector(store, connections, lambda: self.refused))
+        outer = self
         routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
             "/health": lambda: _json(200, {"status": "ok"}),
             "/ready": lambda: _json(200, {"status": "ready"}) if ready() else _json(503, {"status": "starting"}),
@@ -90,8 +100,14 @@ class SidePort:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-                route = routes.get(self.path.split("?", 1)[0])
-                status, ctype, body = route() if route else _json(404, {"error": f"no route {self.path}"})
+                path = self.path.split("?", 1)[0]
+                route = routes.get(path)
+                err = auth.check(access_for(path), self.headers.get("Authorization"))
+                if err is not None:
+                    outer.refused += 1
+                    status, ctype, body = _json(err.status, err.body())
+                else:
+                    status, ctype, body = route() if route else _json(404, {"error": f"no route {self.path}"})
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))

@@ -12,10 +12,11 @@ import asyncio
 import logging
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.engine.block_hash import ROOT_HASH
+from ..api.auth import Credentials
 from ..kv.event_publisher import KVEventPublisher
 from ..kv.event_wire import topic_for
 from ..kv.events import TIER_REMOTE, KVEventLog
@@ -44,6 +45,8 @@ class NodeSettings:
     """ZeroMQ PUB port for KV events (replay on +1); 0 publishes nothing."""
     kv_events_host: str = ""
     payload_timeout: float = 60.0
+    auth: Credentials = field(default_factory=Credentials)
+    """--auth-token-file: the internal token the HTTP side port's /kv/* routes need."""
     """How long a put's payloads may take to arrive before its reservations are given back."""
 
 
@@ -88,7 +91,7 @@ class CacheNode:
             self.publisher.bind()
         s = self.settings
         self.http = SidePort(s.host, s.port, self.store, self.events, self.info, lambda: self.ready,
-                             lambda: self.server.open_connections)
+                             lambda: self.server.open_connections, auth=s.auth)
         self.http.start()
         await self.server.start()
         if self.publisher is not None:

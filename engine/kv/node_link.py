@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from ..transfer.errors import ConnectFailed, PeerGone
@@ -38,15 +39,18 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def resolve_node(host: str, port: int, timeout: float = 2.0) -> tuple[str, int]:
-    """(address, UCX port) of the node behind ``host:port``: lowest address, its /kv/info."""
+def resolve_node(host: str, port: int, timeout: float = 2.0, token: str | None = None) -> tuple[str, int]:
+    """(address, UCX port) of the node behind ``host:port``: lowest address, its /kv/info (asked
+    with the deployment's internal ``token`` when there is one)."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     addrs = sorted({i[4][0] for i in infos})
     if not addrs:
         raise OSError(f"{host} resolves to no address")
     addr = addrs[0]
     url_host = f"[{addr}]" if ":" in addr else addr
-    with urllib.request.urlopen(f"http://{url_host}:{port}/kv/info", timeout=timeout) as r:
+    req = urllib.request.Request(f"http://{url_host}:{port}/kv/info",
+                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         info = json.loads(r.read())
     ucx_port = info.get("ucx_port")
     if not isinstance(ucx_port, int):
@@ -55,8 +59,11 @@ def resolve_node(host: str, port: int, timeout: float = 2.0) -> tuple[str, int]:
 
 
 class CacheNodeLink:
-    def __init__(self, address: str, *, timeout: float = 5.0, retry_s: float = 5.0) -> None:
+    def __init__(self, address: str, *, timeout: float = 5.0, retry_s: float = 5.0,
+                 token: Callable[[], str | None] = lambda: None) -> None:
+        """``token`` gives the internal token (re-read on rotation) the node's /kv/info needs."""
         self.host, self.port = parse_host_port(address)
+        self.token = token
         self.address = address
         self.timeout = timeout
         self.retry_s = retry_s
@@ -94,7 +101,7 @@ class CacheNodeLink:
 
     def _resolve(self) -> None:
         try:
-            addr, ucx_port = resolve_node(self.host, self.port, timeout=min(2.0, self.timeout))
+            addr, ucx_port = resolve_node(self.host, self.port, timeout=min(2.0, self.timeout), token=self.token())
         except (OSError, urllib.error.URLError, ValueError) as e:
             log.warning("cache node %s unreachable (%s); requests recompute until it is back", self.address, e)
             with self._lock:

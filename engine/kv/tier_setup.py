@@ -31,9 +31,12 @@ def build_tiers(cfg: EngineConfig, kv: KVCacheManager, kv_cache: torch.Tensor,
         host = HostTier(slots, shape, kv_cache.dtype, kv_cache.device, bs, on_event)
     remote, link = None, None
     if cfg.cache_node:
+        from ..api.auth import TokenFile
         from .node_link import CacheNodeLink
 
-        link = CacheNodeLink(cfg.cache_node, timeout=cfg.cache_node_timeout)
+        token = TokenFile(cfg.auth_token_file) if cfg.auth_token_file else None
+        link = CacheNodeLink(cfg.cache_node, timeout=cfg.cache_node_timeout,
+                             token=lambda: token.token if token is not None else None)
         remote = RemoteTier(link.clients, cache_layout(kv.extra, kv_cache), shape, kv_cache.dtype,
                             timeout=cfg.cache_node_timeout, on_failure=link.on_failure)
     return KVTiers(kv, kv_cache, host, remote), link

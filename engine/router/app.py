@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -32,10 +32,11 @@ from kvmesh.engine.router.dispatch import Dispatcher
 from kvmesh.engine.router.metrics import PDMetrics, RouterMetrics
 from kvmesh.engine.router.policies import LoadModel, build_policy, uses_prefix
 from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, analyze
-from kvmesh.engine.router.proxy import all_engines_down
+from kvmesh.engine.router.proxy import all_engines_down, internal_auth
 from kvmesh.engine.router.sessions import SessionTable, session_key
 from kvmesh.engine.router.slo import ClientClock
 from kvmesh.engine.router.tokenizer_fetch import TokenizerFetchError, fetch_tokenizer
+from kvmesh.engine.api.auth import AuthGate, Credentials
 from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvmesh.engine.api import errors
 from kvmesh.engine.api.errors import APIError
@@ -69,6 +70,8 @@ class RouterSettings:
     health_interval_s: float = 2.0
     sync_timeout_s: float = 60.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    auth: Credentials = field(default_factory=Credentials)
+    """Client keys the router checks, and the internal token it sends every engine (api/auth.py)."""
 
     @property
     def disaggregated(self) -> bool:
@@ -97,7 +100,8 @@ class RouterApp:
         self.dispatch = Dispatcher(settings, self.policy, self.sessions, self.metrics, aiohttp.ClientTimeout(
             total=None, connect=settings.connect_timeout_s, sock_read=None))
         self.two_stage: TwoStageRouter | None = None
-        self._bounded = BodyLimit(self._serve_http, settings.max_request_bytes)
+        self._bounded = AuthGate(BodyLimit(self._serve_http, settings.max_request_bytes), settings.auth,
+                                 on_refused=self.metrics.count_auth_refusal)
         if settings.disaggregated:
             pd = PDMetrics(self.metrics.registry,
                            lambda: self.prefill_fleet.num_healthy() if self.prefill_fleet else 0,
@@ -188,7 +192,7 @@ class RouterApp:
         # One pooled connector for every engine; no per-host cap (the engines queue, not us).
         d = self.dispatch
         d.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
-                                          auto_decompress=False)
+                                          auto_decompress=False, middlewares=internal_auth(self.settings.auth))
         d.fleet = self._fleet_factory(d.session)
         if self.settings.disaggregated:
             d.prefill_fleet = self._prefill_fleet_factory(d.session)

@@ -12,6 +12,7 @@ import logging
 import sys
 
 from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from kvmesh.engine.api.auth import AuthConfigError, add_auth_arguments, credentials_from_args
 from kvmesh.engine.util.cliargs import add_max_request_bytes
 
 POLICIES = ("cache-aware", "session", "least-load", "round-robin")  # == policies.POLICIES (tested)
@@ -79,6 +80,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     add_max_request_bytes(s, DEFAULT_MAX_REQUEST_BYTES)
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_auth_arguments(p)
 
 
 def add_router_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -147,6 +149,10 @@ def settings_from_args(args: argparse.Namespace):  # -> RouterSettings
     if args.pd_queue_timeout < 0 or args.pd_max_queued < 0:
         raise RouterArgsError("--pd-queue-timeout and --pd-max-queued must be >= 0 (0: answer 503 as soon as every "
                               "decode engine refused)")
+    try:
+        auth = credentials_from_args(args)
+    except AuthConfigError as e:
+        raise RouterArgsError(str(e)) from None
     overlap = set(engines) & set(prefill_engines)
     if overlap:
         raise RouterArgsError(f"{', '.join(sorted(overlap))} is in both --engines and --prefill-engines; an engine "
@@ -157,7 +163,7 @@ def settings_from_args(args: argparse.Namespace):  # -> RouterSettings
         pd_max_queued=args.pd_max_queued, session_idle_s=args.session_idle_s,
         load=LoadModel(args.running_cost_tokens, args.max_running_per_engine), max_attempts=args.max_attempts,
         resolve_interval_s=args.resolve_interval_s, health_interval_s=args.health_interval_s,
-        sync_timeout_s=args.sync_timeout_s, max_request_bytes=args.max_request_bytes)
+        sync_timeout_s=args.sync_timeout_s, max_request_bytes=args.max_request_bytes, auth=auth)
 
 
 def handler(args: argparse.Namespace) -> int:

@@ -50,6 +50,9 @@ class RouterMetrics:
         self.requests = counter(r, "kvmesh_router_requests_total",
                                 "Requests by policy, engine and outcome (see OUTCOMES).",
                                 ("policy", "engine", "outcome"))
+        self.auth_refused = counter(r, "kvmesh_router_auth_refused_total",
+                                    "Requests refused for a missing or wrong API key, by the access their "
+                                    "endpoint needs and the status sent (401, 403).", ("access", "status"))
         self.retries = counter(r, "kvmesh_router_retries_total",
                                "Requests re-sent to another engine before any byte reached the client.",
                                ("reason",))
@@ -97,6 +100,9 @@ class RouterMetrics:
         for engine, name in self._mismatches().items():
             bad.add_metric([engine, name], 1)
         yield bad
+
+    def count_auth_refusal(self, access: str, status: int) -> None:
+        self.auth_refused.labels(access, str(status)).inc()
 
     def count(self, engine: str, outcome: str) -> None:
         self.requests.labels(self.policy, engine, outcome).inc()

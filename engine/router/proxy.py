@@ -19,6 +19,7 @@ import aiohttp
 import msgspec
 
 from kvmesh.engine.api import errors
+from kvmesh.engine.api.auth import Credentials
 from kvmesh.engine.api.errors import APIError
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -66,6 +67,21 @@ class Hooks:
 
 def forward_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in raw if k.lower() not in _DROP_REQUEST_HEADERS}
+
+
+def internal_auth(credentials: Credentials) -> tuple[Any, ...]:
+    """The router session's client middleware: with an internal token, every request to an
+    engine (relayed, probe, snapshot, tokenizer) carries it in place of the client's credential,
+    so a client key never reaches an engine and the engines trust the router alone. Without one
+    the client's ``Authorization`` passes through (engines that check keys themselves)."""
+    if credentials.token is None:
+        return ()
+
+    async def add_token(req: aiohttp.ClientRequest, handler: Any) -> aiohttp.ClientResponse:
+        req.headers["Authorization"] = f"Bearer {credentials.internal_token()}"
+        return await handler(req)
+
+    return (add_token,)
 
 
 def response_headers(resp: aiohttp.ClientResponse, length: int | None) -> list[tuple[bytes, bytes]]:

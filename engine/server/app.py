@@ -24,6 +24,7 @@ from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
 from kvmesh.engine.server.disagg import DisaggServing
 from kvmesh.engine.server.drain import MAX_DRAIN_LEASE_S, Drainer
+from kvmesh.engine.api.auth import AuthGate, Credentials, bearer, forbidden, unauthorized
 from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.server.generation import Serving
 from kvmesh.engine.server.kv_routes import add_kv_routes
@@ -41,12 +42,14 @@ class ServerApp:
     def __init__(self, aengine: AsyncEngine, served_model_names: list[str] | None = None,
                  kv_publisher: KVEventPublisher | None = None, drain_timeout_s: float = 30.0,
                  role: str = "both", kv_transfer_port: int = 0, kv_transfer_timeout_s: float = 30.0,
-                 kv_transfer_overlap: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 kv_transfer_overlap: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 auth: Credentials | None = None) -> None:
         """`kv_publisher`, when given, streams the engine's KV events from load to shutdown;
         `drain_timeout_s` bounds a drain (SIGTERM or POST /admin/drain) before leftovers are aborted;
         `role` prefill/decode adds the KV handoff (docs/disagg.md), decode listening for KV on
         `kv_transfer_port` (0: any free port, reported by /kv/info); a request body over
-        `max_request_bytes` gets 413 before it is read (``app`` is the bounded ASGI app)."""
+        `max_request_bytes` gets 413 before it is read; `auth` (api/auth.py) refuses callers without
+        the credential a path needs before that (``app`` is the guarded, bounded ASGI app)."""
         self.aengine = aengine
         self.drainer = Drainer(aengine, drain_timeout_s)
         self.kv_publisher = kv_publisher
@@ -61,7 +64,10 @@ class ServerApp:
         self.disagg = DisaggServing(role, aengine, self.serving, transfer_port=kv_transfer_port,
                                     transfer_timeout_s=kv_transfer_timeout_s, overlap=kv_transfer_overlap,
                                     observe=self.metrics.observe_handoff)
-        self.app = BodyLimit(self._build(), max_request_bytes, on_refused=lambda e: self.metrics.count_error(e.code))
+        self.auth = auth or Credentials()
+        self.app = AuthGate(BodyLimit(self._build(), max_request_bytes,
+                                      on_refused=lambda e: self.metrics.count_error(e.code)),
+                            self.auth, on_refused=self.metrics.count_auth_refusal)
 
     def served_names(self) -> list[str]:
         """--served-model-name values if given; else the model's own name first, then the
@@ -199,6 +205,7 @@ class ServerApp:
             arrival = time.monotonic()
             aengine.check_accepting(0)
             if body.kv_transfer_params is not None:
+                self._check_internal(request)
                 return await self.disagg.respond(serving.prepare_completion(body), body.kv_transfer_params,
                                                  request, arrival)
             return await serving.respond(serving.prepare_completion(body), request, arrival)
@@ -208,9 +215,21 @@ class ServerApp:
             arrival = time.monotonic()
             aengine.check_accepting(0)
             if body.kv_transfer_params is not None:
+                self._check_internal(request)
                 return await self.disagg.respond(serving.prepare_chat(body), body.kv_transfer_params,
                                                  request, arrival)
             return await serving.respond(serving.prepare_chat(body), request, arrival)
+
+    def _check_internal(self, request: Request) -> None:
+        """A request carrying ``kv_transfer_params`` drives the prefill/decode internals: with an
+        internal token set only a caller holding it (the router) may send one."""
+        if self.auth.token is None:
+            return
+        cred = bearer(request.headers.get("authorization"))
+        if not self.auth.is_internal(cred):
+            self.metrics.count_auth_refusal("internal", 403 if cred else 401)
+            raise (forbidden if cred else unauthorized)(
+                "kv_transfer_params is for the router: it needs the deployment's internal token")
 
     def _loaded_names(self) -> list[str]:
         if self.aengine.engine is None:

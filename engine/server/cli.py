@@ -11,6 +11,7 @@ import logging
 import sys
 
 from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from kvmesh.engine.api.auth import AuthConfigError, add_auth_arguments, credentials_from_args
 from kvmesh.engine.util.cliargs import ArgsError, add_max_request_bytes, config_model_path
 from kvmesh.engine.util.setting import add_options, option_values
 
@@ -47,6 +48,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_max_request_bytes(s, DEFAULT_MAX_REQUEST_BYTES)
     s.add_argument("--kv-events-host", default=None, metavar="ADDR",
                    help="address the KV event sockets bind (default: --host)")
+    add_auth_arguments(p)
 
 
 def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -103,9 +105,15 @@ def settings_from_args(args: argparse.Namespace):  # -> ServeSettings
     from kvmesh.engine.server.settings import ServeSettings
 
     model, served_names = resolve_model(args)
-    engine = EngineConfig(model=model, cache_node=_cache_node(args), **option_values(EngineConfig, args))
+    engine = EngineConfig(model=model, cache_node=_cache_node(args), auth_token_file=args.auth_token_file,
+                          **option_values(EngineConfig, args))
+    try:
+        auth = credentials_from_args(args)
+    except AuthConfigError as e:
+        raise ServeArgsError(str(e)) from None
     return ServeSettings(engine=engine, served_model_names=served_names, max_request_bytes=args.max_request_bytes,
-                         kv_events_host=args.kv_events_host or args.host, **option_values(ServeSettings, args))
+                         kv_events_host=args.kv_events_host or args.host, auth=auth,
+                         **option_values(ServeSettings, args))
 
 
 def handler(args: argparse.Namespace) -> int:

@@ -100,6 +100,10 @@ class ServerMetrics:
         self._hist_handoff = histogram(r, "kvmesh_kv_handoff_seconds",
                                        "Prefill role: time to push one request's KV and first token to its "
                                        "decode engine (after the prefill).", REQUEST_LATENCY_BUCKETS, lbl)
+        self._auth_refused = counter(r, "kvmesh_auth_refused_total",
+                                     "Requests refused for a missing or wrong credential, by the access their "
+                                     "endpoint needs (client, internal) and the status sent (401, 403).",
+                                     ("access", "status"))
         r.register(CallbackCollector(self._engine_families))
 
     def set_model(self, model_name: str, block_size: int, dtype: str = "", dtype_source: str = "",
@@ -155,6 +159,9 @@ class ServerMetrics:
 
     def count_error(self, code: str) -> None:
         self._errors.labels(self.model_name, code).inc()
+
+    def count_auth_refusal(self, access: str, status: int) -> None:
+        self._auth_refused.labels(access, str(status)).inc()
 
     # ---- scrape-time families ---------------------------------------------------
     def _tier_families(self, s: "EngineStats") -> Iterator[Metric]:

@@ -124,7 +124,7 @@ def build_server(settings: ServeSettings, engine_factory: Callable[[], Any] | No
                            kv_transfer_port=settings.kv_transfer_port,
                            kv_transfer_timeout_s=settings.engine.kv_transfer_timeout,
                            kv_transfer_overlap=settings.kv_transfer_overlap,
-                           max_request_bytes=settings.max_request_bytes)
+                           max_request_bytes=settings.max_request_bytes, auth=settings.auth)
     app = server_app.app
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,

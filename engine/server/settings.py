@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from kvmesh.engine.api.auth import Credentials
 from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from kvmesh.engine.config import SERVER, EngineConfig
 from kvmesh.engine.roles import ROLES
@@ -35,6 +36,7 @@ class ServeSettings:
         help="sequences that may wait for their first token before new requests get 429 (0: unbounded; "
              "default: %(default)s)")
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # --max-request-bytes, shared with the router (cliargs)
+    auth: Credentials = field(default_factory=Credentials)  # --auth-token-file, --api-key(-file) (api/auth.py)
     drain_timeout_s: float = setting(
         30.0, "--drain-timeout", group=SERVER, type=float, metavar="SECONDS",
         help="on SIGTERM, how long in-flight requests may run before they are aborted (default: %(default)s)")

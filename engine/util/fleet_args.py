@@ -31,6 +31,7 @@ class EngineLine:
     kv_transfer_port: int | None = None  # decode role
     drain_timeout_s: int | None = None
     config: str | None = None
+    auth_token_file: str | None = None  # the deployment's internal token (a file: never on a command line)
     extra: tuple[str, ...] = ()  # appended as given (`kvmesh up --serve-arg`)
 
 
@@ -55,6 +56,7 @@ class RouterLine:
     port: int = 8000
     cache_node: str | None = None
     config: str | None = None
+    auth_token_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class CacheNodeLine:
     port: int = 8000
     ucx_port: int = 8001
     config: str | None = None
+    auth_token_file: str | None = None
 
 
 def _opt(flag: str, value: object | None) -> list[str]:
@@ -80,7 +83,8 @@ def serve_args(e: EngineLine) -> list[str]:
             *_opt("--kv-cache-bytes", e.kv_cache_bytes), *_opt("--num-threads", e.num_threads),
             *_opt("--kv-events-port", e.kv_events_port), *_opt("--kv-transfer-port", e.kv_transfer_port),
             *_opt("--drain-timeout", e.drain_timeout_s),
-            "--host", e.host, "--port", str(e.port), *_opt("--config", e.config), *e.extra]
+            "--host", e.host, "--port", str(e.port), *_opt("--config", e.config),
+            *_opt("--auth-token-file", e.auth_token_file), *e.extra]
 
 
 def _pool(p: Pool, urls_flag: str, service_flag: str) -> list[str]:
@@ -93,9 +97,11 @@ def router_args(r: RouterLine) -> list[str]:
     return ["router", "--policy", r.policy, "--model", r.model,
             *(_pool(r.prefill, "--prefill-engines", "--prefill-service") if r.prefill else []),
             *_pool(r.decode, "--engines", "--decode-service"), *_opt("--cache-node", r.cache_node),
-            "--host", r.host, "--port", str(r.port), *_opt("--config", r.config)]
+            "--host", r.host, "--port", str(r.port), *_opt("--config", r.config),
+            *_opt("--auth-token-file", r.auth_token_file)]
 
 
 def cache_node_args(c: CacheNodeLine) -> list[str]:
     return ["cache-node", "--memory", c.memory, "--ucx-port", str(c.ucx_port),
-            "--host", c.host, "--port", str(c.port), *_opt("--config", c.config)]
+            "--host", c.host, "--port", str(c.port), *_opt("--config", c.config),
+            *_opt("--auth-token-file", c.auth_token_file)]

@@ -81,24 +81,63 @@ def deploy(cluster: Cluster, ns: str, name: str, spec: dict, timeout: float = 90
 @contextmanager
 def router_port_forward(cluster: Cluster, ns: str, name: str) -> Iterator[str]:
     """`kubectl port-forward svc/<name>-router` (the path that also works on kind); yields the URL."""
+    with port_forward(cluster, ns, f"svc/{name}-router", "/ready") as url:
+        yield url
+
+
+@contextmanager
+def port_forward(cluster: Cluster, ns: str, target: str, ready_path: str = "/health") -> Iterator[str]:
+    """`kubectl port-forward <target> PORT:8000` until ``ready_path`` answers 200; yields the URL."""
     port = free_port()
-    proc = subprocess.Popen(["kubectl", "-n", ns, "port-forward", f"svc/{name}-router",
+    proc = subprocess.Popen(["kubectl", "-n", ns, "port-forward", target,
                              f"{port}:8000", "--address", "127.0.0.1"], env=cluster.env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
         try:
-            return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+            return httpx.get(f"{url}{ready_path}", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 
     try:
-        wait_until("router reachable through port-forward", healthy, timeout=120, every=1)
+        wait_until(f"{target} reachable through port-forward", healthy, timeout=120, every=1)
         yield url
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def internal_token(cluster: Cluster, ns: str, name: str) -> str:
+    """The deployment's internal token, from the Secret the operator created (`<name>-auth`)."""
+    import base64
+
+    from kubernetes import client as k8s
+
+    secret = k8s.CoreV1Api(cluster.api).read_namespaced_secret(f"{name}-auth", ns)
+    return base64.b64decode(secret.data["token"]).decode().strip()
+
+
+@contextmanager
+def _pod_url(cluster: Cluster, ns: str, pod: str) -> Iterator[str]:
+    """The pod's HTTP port as this host reaches it: its IP on the local real node, else a port-forward."""
+    if cluster.real_node:
+        yield f"http://{cluster.core.read_namespaced_pod(pod, ns).status.pod_ip}:8000"
+        return
+    with port_forward(cluster, ns, f"pod/{pod}") as url:
+        yield url
+
+
+def pod_internal_get(cluster: Cluster, ns: str, name: str, pod: str, path: str) -> str:
+    """GET an internal endpoint (/kv/*, /admin/*) of one pod with the deployment's token (not
+    through the API server's pod proxy: it drops the Authorization header it consumed). Checks on
+    the way that the pod refuses the same request without the token."""
+    token = internal_token(cluster, ns, name)
+    with _pod_url(cluster, ns, pod) as url:
+        assert httpx.get(url + path, timeout=30).status_code == 401, f"{path} on {pod} answered without the token"
+        r = httpx.get(url + path, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    assert r.status_code == 200, f"GET {path} on pod {pod}: HTTP {r.status_code}: {r.text[:2000]}"
+    return r.text
 
 
 def _pod_proxy(cluster: Cluster, method: str, ns: str, pod: str, path: str, body: dict | None = None) -> bytes:

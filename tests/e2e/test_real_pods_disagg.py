@@ -16,7 +16,7 @@ import json
 import pytest
 
 from .realpods import (QUESTIONS, answered_later, chat_matches_reference, deploy, engine_spec, metric,
-                       pod_get, ready_pods, stream_while_deleting,
+                       pod_get, pod_internal_get, ready_pods, stream_while_deleting,
                        wait_for_replacement)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
@@ -42,7 +42,7 @@ def test_pools_run_their_roles_and_the_decode_pod_listens_for_kv(cluster, deploy
         args = pod.spec.containers[0].args
         assert args[args.index("--role") + 1] == role
         assert args[args.index("--dtype") + 1] == "float32"
-        info = json.loads(pod_get(cluster, deployment, pod.metadata.name, "/kv/info"))
+        info = json.loads(pod_internal_get(cluster, deployment, NAME, pod.metadata.name, "/kv/info"))
         assert (info["role"], info["transfer_port"]) == (role, port), info
 
 
@@ -76,5 +76,5 @@ def test_decode_pod_deleted_mid_stream_is_replaced_and_picked_up(cluster, deploy
     before = _handoffs(cluster, deployment)
     answered_later(router_url, hf_reference, QUESTIONS[1])
     assert _handoffs(cluster, deployment) > before, "the later request did not go through the prefill pod"
-    info = json.loads(pod_get(cluster, deployment, new.metadata.name, "/kv/info"))
+    info = json.loads(pod_internal_get(cluster, deployment, NAME, new.metadata.name, "/kv/info"))
     assert (info["role"], info["transfer_port"]) == ("decode", 8001)

@@ -32,7 +32,7 @@ from kvmesh.operator.scaling import DRAIN_ANNOTATION
 
 from .helpers import wait_until
 from .realpods import (MAX_TOKENS, QUESTIONS, Stream, chat_matches_reference, check_completion, deploy,
-                       engine_spec, metric, pod_chat, pod_get, ready_pods)
+                       engine_spec, metric, pod_chat, pod_get, pod_internal_get, ready_pods)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -124,7 +124,7 @@ def test_the_cr_says_the_router_routes_by_prefix(cluster, deployment):
 
 
 def _in_flight(cluster, ns, pod: str) -> int:
-    return int(json.loads(pod_get(cluster, ns, pod, "/admin/drain"))["in_flight"])
+    return int(json.loads(pod_internal_get(cluster, ns, NAME, pod, "/admin/drain"))["in_flight"])
 
 
 def _events(cluster, ns) -> list:

@@ -17,10 +17,16 @@ class FakeApi:
         self.status_writes = []
         self.fail_kind = None
         self.deps = {}
+        self.created = {}
 
     def ops(self):
         return KubeOps(get=self.get, apply=self.apply, deployments=self.deployments,
-                       patch_status=self.patch_status, apply_error=ValueError)
+                       patch_status=self.patch_status, create_if_absent=self.create_if_absent,
+                       apply_error=ValueError)
+
+    def create_if_absent(self, manifest):
+        key = (manifest["kind"], manifest["metadata"]["name"])
+        self.created.setdefault(key, manifest)
 
     def get(self, ns, name):
         return self.obj
@@ -46,6 +52,19 @@ def test_pass_applies_every_child_and_writes_status_once():
     assert len(api.status_writes) == 1
     rec.reconcile("serving", "llm")  # nothing changed: no second status write
     assert len(api.status_writes) == 1
+
+
+def test_a_pass_creates_the_auth_secret_once_with_a_random_token():
+    api = FakeApi(make_cr())
+    rec = Reconciler(api.ops())
+    rec.reconcile("serving", "llm")
+    first = api.created[("Secret", "llm-auth")]
+    rec.reconcile("serving", "llm")  # create_if_absent keeps the first token (the fake, as the API does)
+    assert api.created[("Secret", "llm-auth")] is first and len(first["stringData"]["token"]) >= 40
+    assert not [m for m in api.applied if m["kind"] == "Secret"]  # never applied: apply would replace it
+    other = FakeApi(make_cr())
+    Reconciler(other.ops()).reconcile("serving", "llm")
+    assert other.created[("Secret", "llm-auth")]["stringData"]["token"] != first["stringData"]["token"]
 
 
 def test_failed_apply_is_reported_in_status_and_raised():
@@ -104,7 +123,7 @@ def test_resync_counts_failures_and_continues():
                             ].apply(m),
         deployments=lambda ns, name, uid: {},
         patch_status=lambda ns, name, st: table[name].patch_status(ns, name, st),
-        apply_error=ValueError,
+        create_if_absent=lambda m: None, apply_error=ValueError,
     )
     failed = Reconciler(ops).resync([bad.obj, good.obj])
     assert failed == 1

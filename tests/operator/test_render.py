@@ -8,7 +8,7 @@ from kvmesh.engine.server.cli import add_serve_arguments
 from kvmesh.operator import render as r
 from kvmesh.operator.spec import COMPONENTS
 
-from tests.support.crs import make_cr
+from tests.support.crs import make_cr, mount_auth_secret
 
 
 def by_key(objs):
@@ -237,7 +237,7 @@ def test_disaggregated_decode_engines_listen_for_kv_on_an_exposed_port(cr):
     assert [p["name"] for p in by_key(objs)[("Service", "llm-prefill")]["spec"]["ports"]] == ["http"]
 
 
-def test_cache_nodes_expose_their_ucx_port(cr):
+def test_cache_nodes_expose_their_ucx_port(cr, tmp_path):
     """Engines reach a cache node's HTTP port through --cache-node and read the UCX port from its
     /kv/info: the container and the headless Service must carry that port too."""
     from kvmesh.cli import build_parser
@@ -245,7 +245,7 @@ def test_cache_nodes_expose_their_ucx_port(cr):
 
     objs = r.render_all(cr)
     args = argv(objs, "cache")
-    settings = settings_from_args(build_parser().parse_args(args[1:] + ["--memory", "8Gi"]))
+    settings = settings_from_args(build_parser().parse_args(mount_auth_secret(args[1:], tmp_path) + ["--memory", "8Gi"]))
     assert settings.ucx_port == r.CACHE_UCX_PORT == 8001
     ports = {p["name"]: p["containerPort"] for p in container(objs, "cache")["ports"]}
     assert ports == {"http": 8000, "ucx": 8001}
@@ -292,6 +292,7 @@ def test_engines_run_the_model_dtype(dtype, colocated, tmp_path):
     for c in ("prefill", "decode"):
         line = argv(objs, c)
         line[line.index("--config") + 1] = str(config)  # the ConfigMap's mount, here
+        line = mount_auth_secret(line, tmp_path)
         args = parser.parse_args(line[2:])
         assert args.dtype == want
         engine = settings_from_args(args).engine
@@ -317,3 +318,20 @@ def test_engines_drain_within_their_grace_period():
         timeout = parser.parse_args(args[2:]).drain_timeout_s  # the ServeSettings field the flag sets
         assert timeout == grace - r.DRAIN_MARGIN_S  # aborted leftovers still finish before SIGKILL
     assert "--drain-timeout" not in argv(objs, "router") + argv(objs, "cache")
+
+
+def test_every_pod_mounts_the_deployments_token_and_checks_it(cr):
+    """The Secret is mounted read-only in every pool and named by --auth-token-file; it is never
+    rendered (its token is random: reconcile creates it once) and never on a command line."""
+    objs = r.render_all(cr)
+    assert not [o for o in objs if o["kind"] == "Secret"]
+    for component in ("prefill", "decode", "cache", "router"):
+        pod = deployment(objs, component)["spec"]["template"]["spec"]
+        vol = next(v for v in pod["volumes"] if v["name"] == "auth")
+        assert vol["secret"]["secretName"] == "llm-auth"
+        mount = next(m for m in container(objs, component)["volumeMounts"] if m["name"] == "auth")
+        assert mount == {"name": "auth", "mountPath": r.AUTH_DIR, "readOnly": True}
+        line = argv(objs, component)
+        assert line[line.index("--auth-token-file") + 1] == r.AUTH_TOKEN_FILE
+    secret = r.render_auth_secret(r.Owner.from_object(cr), "tok")
+    assert secret["stringData"] == {"token": "tok"} and secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"

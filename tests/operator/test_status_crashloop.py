@@ -61,7 +61,7 @@ def test_the_reconciler_reads_the_pods_when_it_can():
     written = []
     ops = KubeOps(get=lambda ns, name: obj, apply=lambda m: None,
                   deployments=lambda ns, name, uid: all_ready(),
-                  patch_status=lambda ns, name, st: written.append(st),
+                  patch_status=lambda ns, name, st: written.append(st), create_if_absent=lambda m: None,
                   pods=lambda ns, name: {"router": [pod("llm-router-a", waiting="CrashLoopBackOff")]})
     st = Reconciler(ops, now=lambda: T0).reconcile("serving", "llm")
     assert cond(st, "Degraded")["reason"] == "CrashLoopBackOff" and written

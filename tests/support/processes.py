@@ -99,7 +99,8 @@ class RouterProcess(ServerProcess):
 class NodeProc:
     """`kvmesh cache-node` with its HTTP, UCX and (optionally) KV event ports."""
 
-    def __init__(self, memory: str = "64MiB", events: bool = True) -> None:
+    def __init__(self, memory: str = "64MiB", events: bool = True, flags: tuple[str, ...] = ()) -> None:
+        self.flags = flags
         self.http_port, self.ucx_port = free_ports(2)
         self.events_port = free_port_run(2, avoid=frozenset((self.http_port, self.ucx_port))) if events else 0
         self.memory = memory
@@ -108,7 +109,7 @@ class NodeProc:
     def start(self) -> NodeProc:
         cmd = [KVMESH, "cache-node", "--memory", self.memory, "--host", "127.0.0.1", "--port", str(self.http_port),
                "--ucx-port", str(self.ucx_port), "--node-id", "node-t", "--kv-events-port", str(self.events_port),
-               "--log-level", "warning"]
+               "--log-level", "warning", *self.flags]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      env=dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n"))
         try:

@@ -222,3 +222,22 @@ def test_status_line_reads_an_engines_load_from_its_metrics(tmp_path: Path) -> N
         httpd.server_close()
     dead = ProcSpec("engine-1", (), f"http://127.0.0.1:{free_port()}")
     assert status_line(Child(dead, tmp_path / "log", SimpleNamespace(pid=8), ready=True)).endswith("(metrics unavailable)")
+
+
+def test_up_writes_a_private_token_that_every_process_is_told(tmp_path: Path) -> None:
+    import stat
+
+    from kvmesh.up import write_token
+
+    token = write_token(tmp_path / "run")
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text().strip()) >= 40
+    opts = UpOptions(engines=2, cache_node=True, auth_token_file=str(token), api_key_files=("keys",))
+    specs = plan(opts, cores=2)
+    for spec in specs:
+        assert spec.args[list(spec.args).index("--auth-token-file") + 1] == str(token), spec.name
+    router = next(s for s in specs if s.name == "router")
+    assert router.args[list(router.args).index("--api-key-file") + 1] == "keys"
+    (tmp_path / "keys").write_text("k\n")
+    for spec in specs:  # every line, token included, parses with the real CLI and makes settings
+        args = [a if a != "keys" else str(tmp_path / "keys") for a in spec.args]
+        build_parser().parse_args(args)

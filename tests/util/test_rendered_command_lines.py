@@ -18,7 +18,7 @@ from kvmesh.engine.router import cli as router_cli
 from kvmesh.engine.router.policies import POLICIES, uses_prefix
 from kvmesh.operator import render as r
 from kvmesh.operator import spec as s
-from tests.support.crs import MINIMAL_SPEC
+from tests.support.crs import MINIMAL_SPEC, mount_auth_secret
 
 VOLUME = {"type": "Volume", "volume": {"persistentVolumeClaim": {"claimName": "models"}, "path": "smol"}}
 
@@ -60,10 +60,12 @@ def _cases():
 
 
 @pytest.mark.parametrize("name,raw,component", list(_cases()))
-def test_rendered_command_line_parses(name, raw, component):
+def test_rendered_command_line_parses(name, raw, component, tmp_path):
     spec = s.parse_spec(raw)
     argv = r.component_args(spec, OWNER, component)
     assert argv[0] == "kvmesh"
+    assert argv[argv.index("--auth-token-file") + 1] == r.AUTH_TOKEN_FILE  # every role checks the token
+    argv = mount_auth_secret(argv, tmp_path)
     try:
         args = build_parser().parse_args(argv[1:])
     except SystemExit as e:  # argparse reports the offending flag on stderr

@@ -55,6 +55,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [services, configmaps]
   verbs: [get, list, watch, create, patch]
+# Each deployment's internal token: created once (never patched), read to authenticate drains.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create]
 # kopf reports handler failures, and the autoscaler its scaling, as Events on the object.
 - apiGroups: [""]
   resources: [events]
