@@ -45,10 +45,12 @@ _COUNTERS = {  # StoreStats field -> (metric name without kvmesh_cachenode_ and 
 class CacheNodeCollector:
     """Prometheus collector reading the store at scrape time (no per-request metric updates)."""
 
-    def __init__(self, store: BlockStore, connections: Callable[[], int], refused: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, store: BlockStore, connections: Callable[[], int], refused: Callable[[], int] = lambda: 0,
+                 auth_failures: Callable[[], int] = lambda: 0) -> None:
         self.store = store
         self.connections = connections
         self.refused = refused
+        self.auth_failures = auth_failures
 
     def collect(self) -> Iterator[Any]:
         s = self.store
@@ -76,6 +78,10 @@ class CacheNodeCollector:
                                                                  "internal token")
         c.add_metric([], self.refused())
         yield c
+        c = CounterMetricFamily("kvmesh_cachenode_auth_failed_connections", "UCX connections closed for not "
+                                                                           "proving the internal token")
+        c.add_metric([], self.auth_failures())
+        yield c
 
 
 class SidePort:
@@ -83,12 +89,13 @@ class SidePort:
 
     def __init__(self, host: str, port: int, store: BlockStore, events: KVEventLog,
                  info: Callable[[], dict[str, Any]], ready: Callable[[], bool],
-                 connections: Callable[[], int], auth: Credentials | None = None) -> None:
+                 connections: Callable[[], int], auth: Credentials | None = None,
+                 auth_failures: Callable[[], int] = lambda: 0) -> None:
         """``auth``: /kv/snapshot and /kv/info need its internal token (api/auth.py)."""
         auth = auth or Credentials()
         self.refused = 0
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(CacheNodeCollector(store, connections, lambda: self.refused))
+        registry.register(CacheNodeCollector(store, connections, lambda: self.refused, auth_failures))
         outer = self
         routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
             "/health": lambda: _json(200, {"status": "ok"}),

@@ -59,7 +59,7 @@ class CacheNode:
         self.handler = CacheNodeHandler(self.store, payload_timeout=settings.payload_timeout,
                                         extra_stats=lambda: {"node_id": self.node_id,
                                                              "connections": self.server.open_connections})
-        self.server = KVServer(self.handler, settings.ucx_port)
+        self.server = KVServer(self.handler, settings.ucx_port, token=settings.auth.internal_token)
         self.publisher = (KVEventPublisher(settings.kv_events_host or settings.host, settings.kv_events_port)
                           if settings.kv_events_port else None)
         self.http: SidePort | None = None
@@ -91,7 +91,8 @@ class CacheNode:
             self.publisher.bind()
         s = self.settings
         self.http = SidePort(s.host, s.port, self.store, self.events, self.info, lambda: self.ready,
-                             lambda: self.server.open_connections, auth=s.auth)
+                             lambda: self.server.open_connections, auth=s.auth,
+                             auth_failures=lambda: self.server.auth_failures)
         self.http.start()
         await self.server.start()
         if self.publisher is not None:

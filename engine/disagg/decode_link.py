@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..transfer import protocol
+from ..transfer.auth import TokenSource, no_token
 from ..transfer.channel import Channel
 from ..transfer.errors import HeaderMismatch, TransferTimeout
 from ..transfer.header import BlockLayout, check_layout
@@ -134,10 +135,11 @@ class DecodeHandler:
 class DecodeEndpoint:
     """The listener on the process's transfer loop; ``port`` is what ``/kv/info`` reports as ``transfer_port``."""
 
-    def __init__(self, engine: Any, port: int = 0, accepting: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, engine: Any, port: int = 0, accepting: Callable[[], bool] = lambda: True,
+                 token: TokenSource = no_token) -> None:
         self.handler = DecodeHandler(engine, accepting=accepting)
         self.loop = shared_loop()
-        self.server = KVServer(self.handler, port)
+        self.server = KVServer(self.handler, port, token=token)
         self.loop.call(self.server.start(), timeout=30.0)
         self.port = self.server.port
         log.info("KV transfer: decode endpoint on UCX port %d", self.port)

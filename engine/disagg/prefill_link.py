@@ -18,6 +18,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..transfer.auth import TokenSource, no_token
 from ..transfer import protocol
 from ..transfer.buffers import as_bytes
 from ..transfer.client import AsyncKVClient
@@ -45,8 +46,10 @@ class PushResult:
 
 
 class DecodeLinks:
-    def __init__(self, layout: BlockLayout, timeout_s: float = 30.0, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, layout: BlockLayout, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
+                 token: TokenSource = no_token) -> None:
         self.layout = layout
+        self.token = token
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.loop = shared_loop()
@@ -56,7 +59,7 @@ class DecodeLinks:
         c = self._clients.get((host, port))
         if c is None:
             c = AsyncKVClient(host, port, timeout=self.timeout_s, connect_timeout=self.connect_timeout_s,
-                              max_connections=4)
+                              max_connections=4, token=self.token)
             self._clients[(host, port)] = c
         return c
 

@@ -119,9 +119,9 @@ class CacheNodeLink:
             old, same = self._clients, self.peer == f"{addr}:{ucx_port}"
             if not same or old is None:
                 self._clients = (KVClient(addr, ucx_port, loop=self._loop, max_pending=64, max_connections=2,
-                                          timeout=self.timeout, connect_timeout=min(2.0, self.timeout)),
+                                          timeout=self.timeout, connect_timeout=min(2.0, self.timeout), token=self.token),
                                  KVClient(addr, ucx_port, loop=self._loop, max_pending=8, max_connections=1,
-                                          timeout=self.timeout, connect_timeout=min(2.0, self.timeout)))
+                                          timeout=self.timeout, connect_timeout=min(2.0, self.timeout), token=self.token))
                 self.peer = f"{addr}:{ucx_port}"
                 log.info("cache node %s: UCX %s", self.address, self.peer)
             else:

@@ -63,8 +63,9 @@ class ServerApp:
         self.serving = Serving(aengine, [], count_error=self.metrics.count_error)
         self.disagg = DisaggServing(role, aengine, self.serving, transfer_port=kv_transfer_port,
                                     transfer_timeout_s=kv_transfer_timeout_s, overlap=kv_transfer_overlap,
-                                    observe=self.metrics.observe_handoff)
+                                    observe=self.metrics.observe_handoff, token=lambda: self.auth.internal_token())
         self.auth = auth or Credentials()
+        self.metrics.transfer_auth_failures = lambda: self.disagg.auth_failures
         self.app = AuthGate(BodyLimit(self._build(), max_request_bytes,
                                       on_refused=lambda e: self.metrics.count_error(e.code)),
                             self.auth, on_refused=self.metrics.count_auth_refusal)

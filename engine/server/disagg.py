@@ -44,9 +44,11 @@ class DisaggServing:
 
     def __init__(self, role: str, aengine: AsyncEngine, serving: Serving, *, transfer_port: int = 0,
                  transfer_timeout_s: float = 30.0, overlap: bool = True,
-                 observe: Callable[[str, int, float | None], None] = lambda outcome, nbytes, seconds: None) -> None:
+                 observe: Callable[[str, int, float | None], None] = lambda outcome, nbytes, seconds: None,
+                 token: Callable[[], str | None] = lambda: None) -> None:
         """``observe(outcome, bytes, seconds)`` counts each stage-1 handoff (the server's metrics);
-        ``overlap`` pushes prompt blocks while later chunks are still being computed."""
+        ``overlap`` pushes prompt blocks while later chunks are still being computed; ``token``
+        gives the internal token both ends of a KV connection prove (transfer/auth.py)."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; use one of {', '.join(ROLES)}")
         self.role = role
@@ -58,6 +60,12 @@ class DisaggServing:
         self.endpoint: Any = None  # decode: DecodeEndpoint
         self.links: Any = None  # prefill: DecodeLinks
         self._observe = observe
+        self.token = token
+
+    @property
+    def auth_failures(self) -> int:
+        """Decode role: transfer connections closed for not proving the internal token."""
+        return self.endpoint.server.auth_failures if self.endpoint is not None else 0
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def on_loaded(self) -> None:
@@ -65,7 +73,8 @@ class DisaggServing:
         if self.role == "decode":
             from kvmesh.engine.disagg.decode_link import DecodeEndpoint
 
-            self.endpoint = DecodeEndpoint(engine, self.transfer_port, accepting=lambda: self.aengine.ready)
+            self.endpoint = DecodeEndpoint(engine, self.transfer_port, accepting=lambda: self.aengine.ready,
+                                           token=self.token)
         elif self.role == "prefill":
             from kvmesh.engine.kv.gather import cache_layout
             from kvmesh.engine.disagg.prefill_link import DecodeLinks
@@ -73,7 +82,7 @@ class DisaggServing:
             # A connection attempt gets part of the transfer budget, so a dead peer is reported as
             # unreachable (not as a timeout) within it.
             self.links = DecodeLinks(cache_layout(engine.kv.extra, engine.runner.kv_cache), self.transfer_timeout_s,
-                                     connect_timeout_s=min(5.0, self.transfer_timeout_s / 2))
+                                     connect_timeout_s=min(5.0, self.transfer_timeout_s / 2), token=self.token)
 
     def close(self) -> None:
         if self.endpoint is not None:

@@ -100,6 +100,7 @@ class ServerMetrics:
         self._hist_handoff = histogram(r, "kvmesh_kv_handoff_seconds",
                                        "Prefill role: time to push one request's KV and first token to its "
                                        "decode engine (after the prefill).", REQUEST_LATENCY_BUCKETS, lbl)
+        self.transfer_auth_failures: Callable[[], int] = lambda: 0  # set by the server (its decode endpoint)
         self._auth_refused = counter(r, "kvmesh_auth_refused_total",
                                      "Requests refused for a missing or wrong credential, by the access their "
                                      "endpoint needs (client, internal) and the status sent (401, 403).",
@@ -199,6 +200,8 @@ class ServerMetrics:
         s = self._stats()
         if s is None:
             return
+        yield counter_family("kvmesh_kv_transfer_auth_failures_total", "Decode role: KV transfer connections "
+                             "closed for not proving the internal token.", self.transfer_auth_failures())
         if self._info.get("dtype"):
             yield gauge_family("kvmesh_engine_info", "1, labelled with the engine's compute dtype, how it was "
                                "chosen (flag or auto) and its device.", 1.0, self._info)

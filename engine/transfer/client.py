@@ -31,10 +31,11 @@ from typing import Any, TypeVar
 import ucxx
 from ucxx.exceptions import UCXError
 
-from . import protocol
+from . import auth, protocol
+from .auth import TokenSource, no_token
 from .buffers import KVBlock
 from .channel import Channel
-from .errors import (ConnectFailed, HeaderMismatch, PeerGone, ProtocolError, RemoteError, TransferError,
+from .errors import (AuthFailed, ConnectFailed, HeaderMismatch, PeerGone, ProtocolError, RemoteError, TransferError,
                      TransferTimeout)
 from .header import BlockBatch, BlockLayout, check_batch
 from .loop_thread import LoopThread
@@ -67,13 +68,16 @@ class AsyncKVClient:
     """Talks to one KV block server (a cache node, later a decode engine) at ``host:port``."""
 
     def __init__(self, host: str, port: int, *, timeout: float = 10.0, connect_timeout: float = 5.0,
-                 max_connections: int = 2) -> None:
+                 max_connections: int = 2, token: TokenSource = no_token) -> None:
+        """``token``: the deployment's internal token, proven to the peer and required of it on
+        every new connection (transfer/auth.py)."""
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.host, self.port = host, port
         self.peer = f"{host}:{port}"
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self.token = token
         self._slots: asyncio.Semaphore | None = None  # created on the loop that uses it
         self._max = max_connections
         self._idle: list[Channel] = []
@@ -296,17 +300,38 @@ class AsyncKVClient:
                 break
         ch = Channel(ep, self.peer)
         try:
-            await ch.send(protocol.Hello(protocol.PROTOCOL_VERSION, "client"))
+            mine = auth.nonce()
+            await ch.send(protocol.Hello(protocol.PROTOCOL_VERSION, "client", mine))
             hello = await ch.expect(protocol.Hello)
             if isinstance(hello, protocol.ErrorReply):
                 raise_error_reply(hello)
             if hello.version != protocol.PROTOCOL_VERSION:
                 raise ProtocolError(f"{self.peer} speaks KV protocol {hello.version}, "
                                     f"this side {protocol.PROTOCOL_VERSION}")
+            await self._authenticate(ch, mine, hello)
         except BaseException:
             ch.abort()
             raise
         return ch
+
+    async def _authenticate(self, ch: Channel, mine: bytes, hello: protocol.Hello) -> None:
+        """Prove the token to a server that asks, after it proved it to us (transfer/auth.py)."""
+        token = self.token()
+        if not hello.nonce:
+            if token:
+                raise AuthFailed(f"KV peer {self.peer} does not check the internal token; give it "
+                                 "--auth-token-file too (this side will not talk to an unauthenticated peer)")
+            return
+        if not token:
+            raise AuthFailed(f"KV peer {self.peer} needs the deployment's internal token; this side has "
+                             "none (--auth-token-file)")
+        if not auth.valid(token, auth.SERVER, mine, hello.nonce, hello.proof):
+            raise AuthFailed(f"KV peer {self.peer} did not prove the internal token (another deployment's "
+                             "peer, or an impostor)")
+        await ch.send(protocol.Auth(auth.proof(token, auth.CLIENT, hello.nonce, mine)))
+        reply = await ch.expect(protocol.AuthOk)
+        if isinstance(reply, protocol.ErrorReply):
+            raise AuthFailed(f"KV peer {self.peer} refused this side's token: {reply.message}")
 
     async def aclose(self) -> None:
         """Close every connection (idle ones cleanly, in-flight ones abort). Idempotent."""

@@ -37,6 +37,11 @@ class ConnectFailed(TransferError):
     """No connection could be made to the peer (nothing listening, unreachable, handshake timeout)."""
 
 
+class AuthFailed(TransferError):
+    """The peer did not prove the deployment's internal token, or asked this side for one it does
+    not hold (or holds one the peer does not check); the message says which side lacks what."""
+
+
 class ProtocolError(TransferError):
     """The peer sent something this side cannot decode (version skew or a bug); the connection is dropped."""
 

@@ -51,6 +51,8 @@ ERR_NO_ROOM = "no_room"
 ERR_TOO_LARGE = "too_large"
 """A decode engine can never hold the request (its whole KV cache is too small)."""
 ERR_UNKNOWN_TRANSFER = "unknown_transfer"
+ERR_UNAUTHORIZED = "unauthorized"
+"""The connection did not prove the deployment's internal token (transfer/auth.py); it is closed."""
 
 
 class Message(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -160,14 +162,27 @@ class Cancelled(Message, tag="cancelled"):
 
 
 class Hello(Message, tag="hello"):
-    """First message on a connection, both ways: protocol version check before any request."""
+    """First message on a connection, both ways: protocol version check before any request.
+    ``nonce``/``proof``: the token handshake of transfer/auth.py (empty when the server has none)."""
 
     version: int
     role: str = ""
+    nonce: bytes = b""
+    proof: bytes = b""
+
+
+class Auth(Message, tag="auth"):
+    """The client's proof of the internal token (transfer/auth.py), right after the Hellos."""
+
+    proof: bytes
+
+
+class AuthOk(Message, tag="auth_ok"):
+    pass
 
 
 AnyMessage = (PutOffer | PutWant | PutDone | Lookup | LookupReply | Get | GetReply | Stats | StatsReply | ErrorReply
-              | Hello | Reserve | Reserved | PushKV | PushReady | PushDone | Cancel | Cancelled)
+              | Hello | Auth | AuthOk | Reserve | Reserved | PushKV | PushReady | PushDone | Cancel | Cancelled)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

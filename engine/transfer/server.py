@@ -17,9 +17,10 @@ from typing import Protocol
 
 import ucxx
 
-from . import protocol
+from . import auth, protocol
+from .auth import TokenSource, no_token
 from .channel import Channel
-from .errors import PeerGone, ProtocolError, TransferError
+from .errors import AuthFailed, PeerGone, ProtocolError, TransferError
 
 log = logging.getLogger("kvmesh.transfer")
 
@@ -34,8 +35,14 @@ class RequestHandler(Protocol):
 class KVServer:
     """Listens on ``port`` (0: any free port; read ``.port`` after ``start``). Use on one event loop."""
 
-    def __init__(self, handler: RequestHandler, port: int = 0, *, idle_timeout: float | None = None) -> None:
+    def __init__(self, handler: RequestHandler, port: int = 0, *, idle_timeout: float | None = None,
+                 token: TokenSource = no_token, auth_timeout: float = 10.0) -> None:
+        """``token``: the deployment's internal token; when it gives one, a connection must prove
+        it (transfer/auth.py) within ``auth_timeout`` seconds before any request is read."""
         self.handler = handler
+        self.token = token
+        self.auth_timeout = auth_timeout
+        self.auth_failures = 0
         self.requested_port = port
         self.idle_timeout = idle_timeout
         self._listener = None
@@ -69,9 +76,14 @@ class KVServer:
             hello = await ch.recv()
             if not isinstance(hello, protocol.Hello):
                 raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
-            await ch.send(protocol.Hello(protocol.PROTOCOL_VERSION, "server"))
+            token = self.token()
+            mine = auth.nonce() if token else b""
+            shown = auth.proof(token, auth.SERVER, hello.nonce, mine) if token and hello.nonce else b""
+            await ch.send(protocol.Hello(protocol.PROTOCOL_VERSION, "server", mine, shown))
             if hello.version != protocol.PROTOCOL_VERSION:
                 raise ProtocolError(f"client speaks KV protocol {hello.version}, server {protocol.PROTOCOL_VERSION}")
+            if token:
+                await self._check_proof(ch, token, mine, hello.nonce)
             while True:
                 if self.idle_timeout is None:
                     msg = await ch.recv()
@@ -97,6 +109,26 @@ class KVServer:
             if closed is not None:
                 closed(ch)
             self._tasks.discard(asyncio.current_task())
+
+    async def _check_proof(self, ch: Channel, token: str, mine: bytes, theirs: bytes) -> None:
+        """The client's Auth must prove the token over both nonces; anything else closes the
+        connection (answered ``unauthorized``, counted in ``auth_failures``)."""
+        try:
+            msg = await asyncio.wait_for(ch.recv(), self.auth_timeout)
+        except TimeoutError:
+            msg = None
+        if isinstance(msg, protocol.Auth) and auth.valid(token, auth.CLIENT, mine, theirs, msg.proof):
+            await ch.send(protocol.AuthOk())
+            return
+        self.auth_failures += 1
+        try:
+            await asyncio.wait_for(ch.send(protocol.ErrorReply(
+                protocol.ERR_UNAUTHORIZED, "this KV server needs the deployment's internal token "
+                                           "(--auth-token-file)")), 1.0)
+        except (TransferError, TimeoutError):
+            pass
+        raise AuthFailed(f"a connection did not prove the internal token "
+                         f"(sent {type(msg).__name__ if msg is not None else 'nothing in time'})")
 
     async def close(self) -> None:
         """Abort every connection, then stop listening (endpoints go before their listener)."""

@@ -108,3 +108,47 @@ def test_the_router_port_and_its_calls_to_the_engine(fleet):
     # The router relayed with the internal token: the engine refused nothing of it.
     assert (engine.metric("kvmesh_auth_refused_total", access="client", status="401") or 0) == before
     assert router.metric("kvmesh_router_auth_refused_total", access="client", status="401") == 2
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory, fleet):
+    """A prefill and a decode engine holding the fleet's token, and a decode engine holding another."""
+    d = tmp_path_factory.mktemp("pd-auth")
+    (d / "token").write_text(TOKEN + "\n")
+    (d / "other").write_text("another-deployments-token\n")
+    model = make_tiny_hf_model("llama", d / "model")
+    common = ("--model", str(model), "--served-model-name", "tiny", "--dtype", "float32", "--block-size", "4",
+              "--num-kv-blocks", "128", "--max-model-len", "256")
+    procs = []
+    try:
+        for role, token in (("prefill", "token"), ("decode", "token"), ("decode", "other")):
+            procs.append(ServerProcess(*common, "--role", role, "--auth-token-file", str(d / token)).start())
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _transfer_port(decode: ServerProcess, token: str) -> int:
+    return httpx.get(decode.url("/kv/info"), headers=_auth(token), timeout=10).json()["transfer_port"]
+
+
+def test_a_kv_handoff_needs_both_engines_to_hold_the_same_token(pd):
+    prefill, decode, stranger = pd
+    body = dict(BODY, max_tokens=6, ignore_eos=True)
+    kvp = {"transfer_id": "t-ok", "decode_host": "127.0.0.1", "decode_port": _transfer_port(decode, TOKEN)}
+    r = httpx.post(prefill.url("/v1/chat/completions"), json={**body, "kv_transfer_params": kvp},
+                   headers=_auth(TOKEN), timeout=60)
+    assert r.status_code == 200, r.text
+    out = httpx.post(decode.url("/v1/chat/completions"), json={**body, "kv_transfer_params": {"transfer_id": "t-ok"}},
+                     headers=_auth(TOKEN), timeout=60)
+    alone = httpx.post(decode.url("/v1/chat/completions"), json=body, headers=_auth(TOKEN), timeout=60)
+    assert out.status_code == 200 and out.json()["choices"][0]["message"] == alone.json()["choices"][0]["message"]
+    # The stranger's UCX port holds another token: the prefill engine refuses to hand it KV.
+    port = _transfer_port(stranger, "another-deployments-token")
+    kvp = {"transfer_id": "t-no", "decode_host": "127.0.0.1", "decode_port": port}
+    r = httpx.post(prefill.url("/v1/chat/completions"), json={**body, "kv_transfer_params": kvp},
+                   headers=_auth(TOKEN), timeout=60)
+    assert r.status_code == 502 and "internal token" in r.json()["error"]["message"], r.text
+    assert stranger.metric("kvmesh_kv_transfers_reserved") == 0  # nothing was reserved on it
+    assert httpx.get(prefill.url("/ready"), timeout=10).status_code == 200  # and the prefill engine serves on
