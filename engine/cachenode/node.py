@@ -60,7 +60,8 @@ class CacheNode:
                                         extra_stats=lambda: {"node_id": self.node_id,
                                                              "connections": self.server.open_connections})
         self.server = KVServer(self.handler, settings.ucx_port, token=settings.auth.internal_token)
-        self.publisher = (KVEventPublisher(settings.kv_events_host or settings.host, settings.kv_events_port)
+        self.publisher = (KVEventPublisher(settings.kv_events_host or settings.host, settings.kv_events_port,
+                                           token=settings.auth.internal_token())
                           if settings.kv_events_port else None)
         self.http: SidePort | None = None
         self.ready = False

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from .event_auth import curve_keys, secure_server
 from .event_wire import REPLAY_END, encode_record, seq_from_bytes, topic_for, WireFormatError
 from .events import KVEventLog
 
@@ -68,12 +69,16 @@ class KVEventPublisher:
     manager around ``start``. ``port`` 0 is refused: the replay port must be predictable.
     """
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, token: str | None = None) -> None:
+        """``token``: the deployment's internal token; with it both sockets serve CURVE-authenticated
+        subscribers only (kv/event_auth.py)."""
         if not 1 <= port <= 65534:
             raise ValueError(f"KV events port must be in 1..65534 (the replay socket takes port + 1), got {port}")
         self.host = host
         self.port = port
         self.replay_port = port + 1
+        self.keys = curve_keys(token) if token else None
+        self._zap: object | None = None
         self.stats = PublisherStats()
         self.log: KVEventLog | None = None
         self._ctx: zmq.Context | None = None
@@ -109,6 +114,8 @@ class KVEventPublisher:
             sock.setsockopt(zmq.LINGER, 0)
             if ":" in self.host:
                 sock.setsockopt(zmq.IPV6, 1)
+        if self.keys is not None:
+            self._zap = secure_server(ctx, [pub, router], self.keys)
         pub.setsockopt(zmq.SNDHWM, _PUB_HWM)
         router.setsockopt(zmq.SNDHWM, 0)  # a replay answer is bounded by the ring's capacity
         try:
@@ -125,6 +132,7 @@ class KVEventPublisher:
         except BaseException:
             pub.close(0)
             router.close(0)
+            self._stop_zap()
             ctx.term()
             raise
         self._ctx, self._pub, self._router = ctx, pub, router
@@ -160,8 +168,14 @@ class KVEventPublisher:
         for sock in (self._pub, self._router):
             if sock is not None:
                 sock.close(0)
+        self._stop_zap()
         if self._ctx is not None:
             self._ctx.term()
+
+    def _stop_zap(self) -> None:
+        if self._zap is not None:
+            self._zap.stop()  # type: ignore[attr-defined]
+            self._zap = None
 
     def __enter__(self) -> KVEventPublisher:
         self.bind()

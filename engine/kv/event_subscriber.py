@@ -61,6 +61,7 @@ from .event_wire import (
     snapshot_from_json,
     to_internal,
 )
+from .event_auth import curve_keys, secure_client
 from .events import KVEventRecord, KVSnapshot
 from .kv_mirror import KVCacheMirror
 
@@ -120,10 +121,12 @@ class KVEventSubscriber:
     def __init__(self, pub_endpoint: str, replay_endpoint: str, snapshot_url: str,
                  on_event: OnEvent, on_reset: OnReset, *, replay_timeout_s: float = 2.0,
                  http_timeout_s: float = 5.0, retry_s: float = 1.0, buffer_limit: int = 100_000,
-                 drop: Callable[[int], bool] | None = None, session: aiohttp.ClientSession | None = None) -> None:
+                 drop: Callable[[int], bool] | None = None, session: aiohttp.ClientSession | None = None,
+                 token: str | None = None) -> None:
         """``session``: the process's HTTP client for snapshots (a router passes its own, so one
         client and one connection pool serve every engine); without one the subscriber opens and
-        closes its own. ``drop`` is a test hook: PUB messages whose seq it accepts are discarded
+        closes its own. ``token``: the deployment's internal token, for a publisher that serves
+        CURVE-authenticated subscribers only (kv/event_auth.py). ``drop`` is a test hook: PUB messages whose seq it accepts are discarded
         as if lost."""
         self.pub_endpoint = pub_endpoint
         self.replay_endpoint = replay_endpoint
@@ -147,6 +150,7 @@ class KVEventSubscriber:
         self._ctx: zmq.asyncio.Context | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._session = session
+        self._keys = curve_keys(token) if token else None
         self._http: aiohttp.ClientSession | None = None
         self._main: asyncio.Task | None = None
         self._stopping = False
@@ -186,6 +190,8 @@ class KVEventSubscriber:
     async def _follow(self) -> None:
         self._ctx = ctx = zmq.asyncio.Context()
         sub = ctx.socket(zmq.SUB)
+        if self._keys is not None:
+            secure_client(sub, self._keys)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)  # our own buffer bounds memory (buffer_limit)
         # Everything: one publisher per endpoint, and vLLM publishers default to an empty topic.
@@ -284,6 +290,8 @@ class KVEventSubscriber:
         if self._dealer is None:
             assert self._ctx is not None
             self._dealer = self._ctx.socket(zmq.DEALER)
+            if self._keys is not None:
+                secure_client(self._dealer, self._keys)
             self._dealer.setsockopt(zmq.LINGER, 0)
             self._dealer.connect(self.replay_endpoint)
         dealer = self._dealer

@@ -15,6 +15,7 @@ stages (engine/router/disagg.py); without one, each goes to one engine of the po
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -27,7 +28,7 @@ import aiohttp
 
 from kvmesh.engine.router import proxy
 from kvmesh.engine.router.disagg import FALLBACK_REASONS, STAGE1_OUTCOMES, TwoStageRouter
-from kvmesh.engine.router.discovery import Fleet, ServiceSource
+from kvmesh.engine.router.discovery import Fleet, ServiceSource, SubscriberFactory, default_subscriber_factory
 from kvmesh.engine.router.dispatch import Dispatcher
 from kvmesh.engine.router.metrics import PDMetrics, RouterMetrics
 from kvmesh.engine.router.policies import LoadModel, build_policy, uses_prefix
@@ -128,13 +129,18 @@ class RouterApp:
         s = self.settings
         return Fleet(session, urls=list(s.engines), services=list(s.services), track_kv=self.needs_tokenizer,
                      resolve_interval_s=s.resolve_interval_s, health_interval_s=s.health_interval_s,
-                     on_removed=self.sessions.forget_endpoint)
+                     on_removed=self.sessions.forget_endpoint, subscriber_factory=self._subscriber_factory)
 
     def _default_prefill_fleet(self, session: aiohttp.ClientSession) -> Fleet:
         s = self.settings
         return Fleet(session, urls=list(s.prefill_engines), services=list(s.prefill_services),
                      track_kv=self.needs_tokenizer, resolve_interval_s=s.resolve_interval_s,
-                     health_interval_s=s.health_interval_s, on_removed=self.sessions.forget_endpoint)
+                     health_interval_s=s.health_interval_s, on_removed=self.sessions.forget_endpoint,
+                     subscriber_factory=self._subscriber_factory)
+
+    @property
+    def _subscriber_factory(self) -> SubscriberFactory:
+        return functools.partial(default_subscriber_factory, token=self.settings.auth.internal_token)
 
     def _fleets(self) -> list[Fleet]:
         return [f for f in (self.prefill_fleet, self.fleet) if f is not None]

@@ -200,10 +200,12 @@ SubscriberFactory = Callable[[str, dict[str, Any], Callable[..., None], Callable
 
 
 def default_subscriber_factory(url: str, info: dict[str, Any], on_event: Callable[..., None],
-                               on_reset: Callable[[KVSnapshot], None], session: aiohttp.ClientSession) -> Any:
+                               on_reset: Callable[[KVSnapshot], None], session: aiohttp.ClientSession,
+                               token: Callable[[], str | None] = lambda: None) -> Any:
+    """``token``: the internal token, for engines whose KV events are CURVE-authenticated."""
     from kvmesh.engine.kv.event_subscriber import KVEventSubscriber
 
-    return KVEventSubscriber.from_info(url, info, on_event, on_reset, session=session)
+    return KVEventSubscriber.from_info(url, info, on_event, on_reset, session=session, token=token())
 
 
 @dataclass

@@ -105,6 +105,14 @@ def test_the_router_port_and_its_calls_to_the_engine(fleet):
     routed = httpx.post(router.url("/v1/chat/completions"), json=BODY, headers=_auth(KEY), timeout=60)
     assert routed.status_code == 200
     assert routed.json()["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    # The engine's KV events (CURVE, keys from the token) reached the router's index after its snapshot.
+    def indexed() -> float:
+        from kvmesh.engine.util.metrics import parse_samples
+
+        samples = parse_samples(httpx.get(router.url("/metrics"), timeout=10).text)
+        return sum(v for (n, _), v in samples.items() if n == "kvmesh_router_index_blocks")
+
+    wait_for(lambda: indexed() > 0, "KV events from the authenticated publisher in the router's index", timeout=30)
     # The router relayed with the internal token: the engine refused nothing of it.
     assert (engine.metric("kvmesh_auth_refused_total", access="client", status="401") or 0) == before
     assert router.metric("kvmesh_router_auth_refused_total", access="client", status="401") == 2
