@@ -13,8 +13,11 @@ Threads and ownership:
   messages for a subscriber whose queue is full rather than blocking; the subscriber sees the
   seq gap and asks the replay socket.
 * The replay thread owns the ROUTER socket (PUB port + 1). For a request naming seq N it answers
-  every record still in the ring from N on, then ``REPLAY_END``; when N is older than the ring
-  (or ahead of the log) it answers only ``REPLAY_END`` and the subscriber uses the snapshot.
+  the records still in the ring from N on, as many as ``ReplayBudget`` grants that subscriber,
+  then ``REPLAY_END``; when N is older than the ring (or ahead of the log) it answers only
+  ``REPLAY_END`` and the subscriber uses the snapshot. It sends the payloads the stream thread
+  already encoded, so a replay costs sends, not encoding, next to the step thread. A subscriber
+  that does not read fills its bounded queue and its answer is cut off (it times out and resyncs).
 
 Invariants: the stream thread sends each record at most once and in increasing seq order; if
 it falls so far behind that the ring dropped records it has not sent, it skips to the oldest
@@ -27,13 +30,16 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
 
 from .event_auth import curve_keys, secure_server
 from .event_wire import REPLAY_END, encode_record, seq_from_bytes, topic_for, WireFormatError
-from .events import KVEventLog
+from .events import KVEventLog, KVEventRecord
+from .replay_budget import ReplayBudget, ReplayLimits
 
 logger = logging.getLogger("kvmesh.kv.events")
 
@@ -55,6 +61,10 @@ class PublisherStats:
     replay_requests: int = 0
     replayed: int = 0
     """Records sent in replay answers."""
+    replay_limited: int = 0
+    """Replay answers cut short by the budget (the subscriber resyncs from the snapshot)."""
+    replay_dropped: int = 0
+    """Replay answers abandoned because the subscriber's queue was full or it was gone."""
 
 
 def _endpoint(host: str, port: int) -> str:
@@ -69,9 +79,16 @@ class KVEventPublisher:
     manager around ``start``. ``port`` 0 is refused: the replay port must be predictable.
     """
 
-    def __init__(self, host: str, port: int, token: str | None = None) -> None:
+    def __init__(self, host: str, port: int, token: str | None = None, token_ids: bool = False,
+                 replay_limits: ReplayLimits | None = None) -> None:
         """``token``: the deployment's internal token; with it both sockets serve CURVE-authenticated
-        subscribers only (kv/event_auth.py)."""
+        subscribers only (kv/event_auth.py). ``token_ids``: put the blocks' token ids in
+        ``BlockStored`` (some external indexers need them; they reveal every tenant's prompts and
+        completions to every subscriber, so they are off unless asked for)."""
+        self.token_ids = token_ids
+        self.budget = ReplayBudget(replay_limits or ReplayLimits())
+        self._encoded: deque[tuple[int, bytes, bytes]] = deque()
+        self._encoded_lock = threading.Lock()
         if not 1 <= port <= 65534:
             raise ValueError(f"KV events port must be in 1..65534 (the replay socket takes port + 1), got {port}")
         self.host = host
@@ -117,7 +134,10 @@ class KVEventPublisher:
         if self.keys is not None:
             self._zap = secure_server(ctx, [pub, router], self.keys)
         pub.setsockopt(zmq.SNDHWM, _PUB_HWM)
-        router.setsockopt(zmq.SNDHWM, 0)  # a replay answer is bounded by the ring's capacity
+        # One answer fits a peer's queue; a peer that does not read makes the next send fail
+        # (ROUTER_MANDATORY) instead of growing memory or being dropped silently mid-answer.
+        router.setsockopt(zmq.SNDHWM, self.budget.limits.max_records + 8)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
             for sock, port, what in ((pub, self.port, "PUB"), (router, self.replay_port, "replay")):
                 try:
@@ -143,6 +163,7 @@ class KVEventPublisher:
             raise RuntimeError("KVEventPublisher.start() called twice")
         self.bind()
         self.log = log
+        self._encoded = deque(maxlen=log.capacity)
         self._threads = [
             threading.Thread(target=self._stream_loop, name="kvmesh-kv-pub", daemon=True),
             threading.Thread(target=self._replay_loop, name="kvmesh-kv-replay", daemon=True),
@@ -200,7 +221,9 @@ class KVEventPublisher:
                     last = oldest - 1
                     continue
                 for rec in records:
-                    seq, payload = encode_record(rec)
+                    seq, payload = encode_record(rec, self.token_ids)
+                    with self._encoded_lock:
+                        self._encoded.append((rec.seq, seq, payload))
                     try:
                         pub.send_multipart((topic, seq, payload), flags=zmq.NOBLOCK, copy=False)
                         self.stats.sent += 1
@@ -235,12 +258,39 @@ class KVEventPublisher:
             if len(frames) not in (2, 3) or (len(frames) == 3 and frames[1]):
                 raise WireFormatError(f"a replay request has one seq frame, got {len(frames) - 1} frames")
             start = seq_from_bytes(frames[-1])
-            records = self.log.since(max(start, 1) - 1)  # seq 0 names no record: "from the start"
+            # seq 0 names no record: "from the start"
+            # one record past the cap tells an answer cut short from one that is complete
+            records = self.log.since(max(start, 1) - 1, limit=self.budget.limits.max_records + 1) or []
         except WireFormatError as e:
             logger.debug("bad KV replay request: %s", e)
-            records = None
-        for rec in records or ():
-            seq, payload = encode_record(rec)
-            router.send_multipart((identity, b"", seq, payload), copy=False)
-            self.stats.replayed += 1
-        router.send_multipart((identity, b"", REPLAY_END, b""))
+            records = []
+        granted = self.budget.grant(identity, len(records), time.monotonic())
+        if granted < len(records):
+            self.stats.replay_limited += 1
+            records = records[:granted]
+        try:
+            for seq, payload in self._encoded_records(records):
+                router.send_multipart((identity, b"", seq, payload), flags=zmq.NOBLOCK, copy=False)
+                self.stats.replayed += 1
+            router.send_multipart((identity, b"", REPLAY_END, b""), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # EAGAIN: its queue is full; EHOSTUNREACH: it disconnected
+            self.stats.replay_dropped += 1
+            logger.debug("KV replay answer abandoned: %s", e)
+
+    def _encoded_records(self, records: list[KVEventRecord]) -> list[tuple[bytes, bytes]]:
+        """(seq frame, payload) of each record, from what the stream thread encoded where it can."""
+        if not records:
+            return []
+        with self._encoded_lock:
+            enc = self._encoded
+            first = enc[0][0] if enc else 0
+            out = []
+            for rec in records:
+                i = rec.seq - first
+                # The deque holds consecutive seqs except where the stream thread skipped some.
+                if enc and 0 <= i < len(enc) and enc[i][0] == rec.seq:
+                    out.append(enc[i][1:])
+                else:
+                    out.append(None)
+        return [got if got is not None else encode_record(rec, self.token_ids)
+                for got, rec in zip(out, records)]

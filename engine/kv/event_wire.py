@@ -100,10 +100,12 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
 
-def from_internal(event: KVEvent) -> WireEvent:
+def from_internal(event: KVEvent, token_ids: bool = True) -> WireEvent:
+    """``token_ids=False`` sends ``BlockStored`` with an empty token list (the prompt stays private;
+    hash-based indexers need none of it)."""
     if isinstance(event, BlockStored):
-        return WireBlockStored(list(event.block_hashes), event.parent_hash, list(event.token_ids),
-                               event.block_size, None, event.tier)
+        return WireBlockStored(list(event.block_hashes), event.parent_hash,
+                               list(event.token_ids) if token_ids else [], event.block_size, None, event.tier)
     if isinstance(event, BlockRemoved):
         return WireBlockRemoved(list(event.block_hashes), event.tier)
     if isinstance(event, AllBlocksCleared):
@@ -136,9 +138,9 @@ def to_internal(event: WireEvent) -> KVEvent:
     raise TypeError(f"not a wire KV event: {event!r}")
 
 
-def encode_record(rec: KVEventRecord) -> tuple[bytes, bytes]:
-    """(seq frame, payload frame) of one record."""
-    return seq_bytes(rec.seq), _encoder.encode(KVEventBatch(rec.timestamp, [from_internal(rec.event)]))
+def encode_record(rec: KVEventRecord, token_ids: bool = True) -> tuple[bytes, bytes]:
+    """(seq frame, payload frame) of one record (``token_ids``: see ``from_internal``)."""
+    return seq_bytes(rec.seq), _encoder.encode(KVEventBatch(rec.timestamp, [from_internal(rec.event, token_ids)]))
 
 
 def decode_payload(payload: bytes) -> KVEventBatch:

@@ -41,7 +41,8 @@ class BlockStored:
 
     ``parent_hash`` is the hash of the block before ``block_hashes[0]``, or None when the first
     block follows the root seed. ``token_ids`` are the tokens of all listed blocks, concatenated
-    (``len(token_ids) == len(block_hashes) * block_size``).
+    (``len(token_ids) == len(block_hashes) * block_size``); on the wire they are empty unless the
+    publisher was asked for them (``--kv-events-token-ids``): consumers key on hashes only.
     """
 
     block_hashes: list[BlockHash]
@@ -143,8 +144,8 @@ class KVEventLog:
         with self._lock:
             return self._seq
 
-    def since(self, seq: int) -> list[KVEventRecord] | None:
-        """Records with sequence number > ``seq``, oldest first.
+    def since(self, seq: int, limit: int | None = None) -> list[KVEventRecord] | None:
+        """Records with sequence number > ``seq``, oldest first (the first ``limit`` of them).
 
         Returns None when the caller cannot catch up from the ring: record ``seq + 1`` was
         already dropped, or ``seq`` is ahead of this log (the engine restarted). The caller must
@@ -161,7 +162,7 @@ class KVEventLog:
             if seq + 1 < oldest:
                 return None
             start = seq + 1 - oldest
-            return list(itertools.islice(self._ring, start, None))
+            return list(itertools.islice(self._ring, start, None if limit is None else start + limit))
 
     @property
     def oldest_seq(self) -> int:

@@ -118,7 +118,8 @@ def build_server(settings: ServeSettings, engine_factory: Callable[[], Any] | No
     publisher = None
     if settings.kv_events_port:
         publisher = KVEventPublisher(settings.kv_events_host, settings.kv_events_port,
-                                     token=settings.auth.internal_token())
+                                     token=settings.auth.internal_token(),
+                                     token_ids=settings.kv_events_token_ids)
         publisher.bind()  # a busy port fails here, before the model loads
     server_app = ServerApp(aengine, settings.served_model_names, kv_publisher=publisher,
                            drain_timeout_s=settings.drain_timeout_s, role=settings.role,

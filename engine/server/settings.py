@@ -50,6 +50,10 @@ class ServeSettings:
         help="publish KV cache events (ZeroMQ PUB, vLLM's layout) on PORT and answer replay requests on "
              "PORT+1; 0 turns them off (default: %(default)s; the operator uses 5557)")
     kv_events_host: str = "127.0.0.1"  # --kv-events-host, default --host (server/cli.py)
+    kv_events_token_ids: bool = setting(
+        False, "--kv-events-token-ids", group=SERVER, action="store_true",
+        help="put token ids in BlockStored events (external indexers that rebuild hashes from tokens need "
+             "them; they reveal every prompt and completion to subscribers; default: off, hashes only)")
     role: str = setting(
         "both", "--role", group=SERVER, choices=ROLES,
         help="both: prefill and decode in this engine (default); prefill: compute prompts and hand their KV "

@@ -12,8 +12,9 @@ import zmq
 
 from kvmesh.engine.kv.event_publisher import KVEventPublisher, KVEventsBindError
 from kvmesh.engine.kv.event_subscriber import KVCacheMirror, KVEventSubscriber, endpoints_from_info
-from kvmesh.engine.kv.event_wire import REPLAY_END, decode_payload, seq_bytes, seq_from_bytes, topic_for
+from kvmesh.engine.kv.event_wire import REPLAY_END, KVEventBatch, decode_payload, seq_bytes, seq_from_bytes, topic_for
 from kvmesh.engine.kv.events import BlockStored, KVEventLog
+from kvmesh.engine.kv.replay_budget import ReplayLimits
 
 from kvmesh.engine.util.localproc import free_port_pair
 
@@ -173,6 +174,10 @@ def test_seq_going_back_on_the_same_engine_id_resyncs(stream):
 
 
 def _replay(endpoint: str, frames: list[bytes]) -> list[int]:
+    return [seq for seq, _ in _replay_batches(endpoint, frames)]
+
+
+def _replay_batches(endpoint: str, frames: list[bytes]) -> list[tuple[int, KVEventBatch]]:
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -187,8 +192,7 @@ def _replay(endpoint: str, frames: list[bytes]) -> list[int]:
             if raw == REPLAY_END:
                 assert payload == b""
                 return seqs
-            decode_payload(payload)
-            seqs.append(seq_from_bytes(raw))
+            seqs.append((seq_from_bytes(raw), decode_payload(payload)))
     finally:
         dealer.close(0)
         ctx.term()
@@ -318,3 +322,69 @@ def test_subscriber_in_another_process_converges(drop):
                 assert stats["resyncs"] >= 2  # 110 lost records, a 50-record ring: only the snapshot helps
         finally:
             child.close()
+
+
+def _first_stored(token_ids: bool) -> BlockStored:
+    log = KVEventLog("engine-t")
+    with KVEventPublisher("127.0.0.1", free_port_pair(), token_ids=token_ids) as pub:
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+        sub.setsockopt(zmq.RCVTIMEO, 5000)
+        sub.connect(pub.endpoint)
+        try:
+            pub.start(log)
+            time.sleep(0.3)
+            log.publish(BlockStored([b"\x01" * 32], None, [7, 8, 9, 10], 4))
+            _, _, payload = sub.recv_multipart()
+            ((seq, replayed),) = _replay_batches(pub.replay_endpoint, [seq_bytes(1)])
+        finally:
+            sub.close(0)
+            ctx.term()
+    (event,) = decode_payload(payload).events
+    assert seq == 1 and replayed.events == [event]  # the replay socket says no more than PUB
+    return event
+
+
+def test_token_ids_stay_private_unless_asked_for():
+    """Prompts never leave the engine on the event stream by default; hashes are enough to route."""
+    assert _first_stored(token_ids=False).token_ids == []
+    assert _first_stored(token_ids=True).token_ids == [7, 8, 9, 10]
+
+
+def test_replay_answers_are_bounded_by_the_budget():
+    log = KVEventLog("engine-b", capacity=100)
+    limits = ReplayLimits(max_records=5, client_rate=1e-6, total_rate=1e9)
+    with KVEventPublisher("127.0.0.1", free_port_pair(), replay_limits=limits) as pub:
+        pub.start(log)
+        publish_random(log, 25, seed=10)
+        assert _replay(pub.replay_endpoint, [seq_bytes(1)]) == [1, 2, 3, 4, 5]  # cut short: resync
+        assert pub.stats.replay_limited == 1
+        assert _replay(pub.replay_endpoint, [seq_bytes(1)]) == [1, 2, 3, 4, 5]  # a new connection
+        assert pub.stats.replayed == 10
+
+
+def test_a_subscriber_that_never_reads_cannot_grow_the_engines_memory():
+    """Replays to a DEALER that asks and never reads: the engine's queue for it stays bounded
+    (answers are abandoned and counted) and other subscribers are still answered."""
+    log = KVEventLog("engine-s", capacity=2_000)
+    limits = ReplayLimits(max_records=1_000, client_rate=1e9, total_rate=1e9)
+    with KVEventPublisher("127.0.0.1", free_port_pair(), replay_limits=limits) as pub:
+        pub.start(log)
+        publish_random(log, 1_000, seed=11)
+        ctx = zmq.Context()
+        hog = ctx.socket(zmq.DEALER)
+        hog.setsockopt(zmq.RCVHWM, 1)
+        hog.setsockopt(zmq.LINGER, 0)
+        hog.connect(pub.replay_endpoint)
+        try:
+            for _ in range(400):
+                hog.send_multipart([b"", seq_bytes(1)])
+            until_sync = time.monotonic() + 60
+            while pub.stats.replay_dropped == 0 and time.monotonic() < until_sync:
+                time.sleep(0.05)
+            assert pub.stats.replay_dropped > 0
+            assert _replay(pub.replay_endpoint, [seq_bytes(990)]) == list(range(990, 1001))
+        finally:
+            hog.close(0)
+            ctx.term()
