@@ -24,8 +24,17 @@ All integers are unsigned little-endian. ``sha256`` is SHA-256 (FIPS 180-4), dig
   ``model_id`` and ``dtype`` are encoded verbatim (no case folding); callers pass canonical
   names (``dtype`` as "bfloat16", "float16" or "float32").
 
+* Chain root of a request (per-request tenant isolation, the API's ``cache_salt``)::
+
+      root(None) = root("") = ROOT_HASH
+      root(salt) = sha256(ROOT_HASH || b"kvmesh-salt-v1" || field(salt))
+
+  A salted request's chain starts from its own root instead of ``ROOT_HASH``, so the salt
+  enters the first block's hash and, through the chain, every later one: requests with
+  different salts (or one salted and one not) never name a common block on any tier.
+
 * Block ``i`` of a token sequence covers ``token_ids[i*B : (i+1)*B]`` for block size ``B``;
-  only FULL blocks have a hash. With ``h_{-1} = ROOT_HASH``::
+  only FULL blocks have a hash. With ``h_{-1}`` the request's chain root (``ROOT_HASH`` unsalted)::
 
       h_i = sha256(h_{i-1} || uint32(B) || uint32(t_0) || ... || uint32(t_{B-1}) || extra)
 
@@ -48,6 +57,7 @@ HASH_FUNCTION = "sha256"  # what /kv/info reports; a router or engine hashing ot
 HASH_LEN = 32
 ROOT_HASH: BlockHash = hashlib.sha256(b"kvmesh-root-v1").digest()
 EXTRA_MAGIC = b"kvmesh-extra-v1"
+SALT_MAGIC = b"kvmesh-salt-v1"
 
 _UINT32_MAX = 2**32 - 1
 
@@ -70,6 +80,13 @@ def extra_key(model_id: str, dtype: str, lora: str | None = None, cache_salt: st
         raise ValueError("extra_key: dtype must be a non-empty string such as 'bfloat16'")
     return (EXTRA_MAGIC + _field(model_id) + _field(dtype)
             + _field(lora or None) + _field(cache_salt or None))
+
+
+def chain_root(cache_salt: str | None = None) -> BlockHash:
+    """The hash a request's block chain starts from: ``ROOT_HASH`` without a salt (or with ``""``)."""
+    if not cache_salt:
+        return ROOT_HASH
+    return hashlib.sha256(ROOT_HASH + SALT_MAGIC + _field(cache_salt)).digest()
 
 
 def _encode_tokens(token_ids: Sequence[int]) -> bytes:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvmesh.engine.config import ConfigError, EngineConfig, parse_dtype
-from kvmesh.engine.block_hash import extra_key
+from kvmesh.engine.block_hash import chain_root, extra_key
 from kvmesh.engine.disagg.decode_side import DecodeRole, DecodeTransfers
 from kvmesh.engine.disagg.errors import HandoffError
 from kvmesh.engine.disagg.prefill_side import PrefillRole
@@ -273,8 +273,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     priority: int = 0, arrival_time: float | None = None,
-                    handoff: Handoff | None = None) -> None:
+                    handoff: Handoff | None = None, cache_salt: str | None = None) -> None:
         """Validate (see check_request) and enqueue; the request joins at the next step.
+
+        ``cache_salt``: the request shares cached KV only with requests of the same salt (its
+        chain starts from ``block_hash.chain_root(cache_salt)``; None or "" is the shared root).
 
         ``handoff`` (engine/roles.py): a ``PrefillHandoff`` ends the request after its first token
         with a ``KVHandoff`` output (call ``prefill.release`` once it was delivered); a
@@ -296,6 +299,7 @@ class LLMEngine:
             generator=gen,
             handoff=prefill,
             handoff_sent=prefill.from_block if prefill else 0,
+            kv_root=chain_root(cache_salt),
         )
         req.stream = RequestStream(self.tokenizer, req.prompt_token_ids, params)
         with self._lock:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kvmesh.engine.block_hash import ROOT_HASH
 from kvmesh.engine.outputs import RequestMetrics
 from kvmesh.engine.roles import PrefillHandoff
 from kvmesh.engine.sampling import SamplingParams
@@ -39,6 +40,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first scheduling
     num_preemptions: int = 0
+    kv_root: bytes = ROOT_HASH
+    """The request's block chain root (``block_hash.chain_root`` of its ``cache_salt``): requests
+    share cached KV only when their roots are equal."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

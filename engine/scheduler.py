@@ -186,7 +186,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             preempted_self = False
             while self.kv.allocate_slots(req.request_id, req.all_token_ids, num_new,
-                                         num_computed_tokens=req.num_computed_tokens) is None:
+                                         num_computed_tokens=req.num_computed_tokens, root=req.kv_root) is None:
                 victim = self._pop_victim(req)
                 victim.status = RequestStatus.WAITING
                 self._preempt(victim)
@@ -205,7 +205,7 @@ class Scheduler:
                 req = self._transferred.pop(0)
                 num_new = req.num_tokens - req.num_computed_tokens
                 if self.kv.allocate_slots(req.request_id, req.all_token_ids, num_new,
-                                          num_computed_tokens=req.num_computed_tokens) is None:
+                                          num_computed_tokens=req.num_computed_tokens, root=req.kv_root) is None:
                     self._transferred.insert(0, req)  # cannot happen with a full reservation; wait
                     break
                 self._num_waiting -= 1
@@ -217,7 +217,8 @@ class Scheduler:
                 req = self._peek_waiting()
                 if req is None:
                     break
-                computed_blocks, num_computed = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+                computed_blocks, num_computed = self.kv.get_computed_blocks(req.request_id, req.all_token_ids,
+                                                                            req.kv_root)
                 hits = None
                 if self.tiers is not None and self.kv.enable_caching:
                     hits = self.tiers.lookup(req.request_id, req.num_tokens, len(computed_blocks))
@@ -236,7 +237,8 @@ class Scheduler:
                     break
                 num_new = min(num_new, budget)
                 blocks = self.kv.allocate_slots(
-                    req.request_id, req.all_token_ids, num_new, computed_blocks, num_computed + num_loaded
+                    req.request_id, req.all_token_ids, num_new, computed_blocks, num_computed + num_loaded,
+                    root=req.kv_root,
                 )
                 if blocks is None:
                     if self.tiers is not None:

@@ -61,6 +61,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    """vLLM's tenant isolation field: requests share cached prefixes only with the same salt."""
     # Prefill/decode disaggregation (docs/disagg.md): set by the router, never by clients.
     kv_transfer_params: KVTransferParams | None = None
 

@@ -53,6 +53,8 @@ def _check_token(field: str, token_id: int, lim: Limits) -> None:
 
 def check_reserve(msg: Reserve, lim: Limits) -> None:
     check_transfer_id(msg.transfer_id)
+    if msg.chain_root and len(msg.chain_root) != HASH_LEN:
+        raise BadField("chain_root", f"must be empty or {HASH_LEN} bytes, got {len(msg.chain_root)}")
     ids = msg.prompt_token_ids
     if not ids:
         raise BadField("prompt_token_ids", "must not be empty")

@@ -32,6 +32,7 @@ from ..transfer.server import KVServer
 from .checks import Limits, check_push, check_reserve, check_transfer_id
 from .errors import BadField, HandoffError, NoRoom, TooLarge, UnknownTransfer
 from kvmesh.engine.kv.gather import block_shape, cache_layout
+from kvmesh.engine.block_hash import ROOT_HASH
 
 log = logging.getLogger("kvmesh.disagg")
 
@@ -96,7 +97,8 @@ class DecodeHandler:
             return
         try:
             r = await asyncio.wrap_future(self.engine.decode.reserve(msg.transfer_id, msg.prompt_token_ids,
-                                                                       msg.max_tokens, owner=ch))
+                                                                       msg.max_tokens, owner=ch,
+                                                                       root=msg.chain_root or ROOT_HASH))
         except HandoffError as e:
             await ch.send(_refusal(e))
             return

@@ -2,13 +2,15 @@
 
 Life of a transfer ``T``::
 
-    reserve(T, prompt, max_tokens)   blocks for prompt + max_tokens taken now (or NoRoom/TooLarge);
-                                     leading prompt blocks this engine already caches are reused
+    reserve(T, prompt, max_tokens,   blocks for prompt + max_tokens taken now (or NoRoom/TooLarge);
+            root)                    leading prompt blocks this engine already caches under the
+                                     same chain root (the request's cache_salt) are reused
     fill(T, start, data, ...)        pushed blocks land in the reserved blocks, in order
     fill(..., final=True, first)     the last one carries the first token; full prompt blocks join
                                      this engine's prefix cache
-    claim(T, prompt, request_id)     the HTTP request arrives: its KV state is renamed to the
-                                     request, which starts decoding without any prefill
+    claim(T, prompt, request_id,     the HTTP request arrives (same prompt, same root): its KV
+          root)                      state is renamed to the request, which starts decoding
+                                     without any prefill
 
 Invariants: a reservation holds every block its request can need for ``max_tokens`` generated
 tokens, capped at ``reserve_cap_tokens`` (0: no cap), so a claimed request within the cap never
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.engine.block_hash import BlockHash
+from kvmesh.engine.block_hash import ROOT_HASH, BlockHash
 from ..kv.block_pool import KVIntegrityError
 from ..kv.kv_manager import KVCacheManager
 from ..outputs import TokenLogprob
@@ -89,7 +91,7 @@ class DecodeTransfers:
 
     # ---- reserve ------------------------------------------------------------------------------
     def reserve(self, transfer_id: str, prompt_token_ids: Sequence[int], max_tokens: int, now: float,
-                owner: object = None) -> Reservation:
+                owner: object = None, root: BlockHash = ROOT_HASH) -> Reservation:
         if transfer_id in self._res:
             raise TransferMismatch(f"transfer {transfer_id!r} is already reserved")
         ids = list(prompt_token_ids)
@@ -104,8 +106,8 @@ class DecodeTransfers:
                            f"max_tokens={max_tokens}); this decode engine has {self.kv.num_total_blocks} in all")
         key = transfer_key(transfer_id)
         try:
-            hits, num_hit = self.kv.get_computed_blocks(key, ids)
-            blocks = self.kv.allocate_slots(key, ids, total - num_hit, hits, num_hit)
+            hits, num_hit = self.kv.get_computed_blocks(key, ids, root)
+            blocks = self.kv.allocate_slots(key, ids, total - num_hit, hits, num_hit, root=root)
         except Exception:
             self.kv.free(key)  # nothing of a failed reservation stays behind
             raise
@@ -176,7 +178,8 @@ class DecodeTransfers:
             r.deadline = now + self.claim_timeout_s
 
     # ---- claim / cancel / expire ----------------------------------------------------------------
-    def claim(self, transfer_id: str, prompt_token_ids: Sequence[int], request_id: str) -> Reservation:
+    def claim(self, transfer_id: str, prompt_token_ids: Sequence[int], request_id: str,
+              root: BlockHash = ROOT_HASH) -> Reservation:
         """Hand a complete transfer's KV to ``request_id``; raises UnknownTransfer/TransferMismatch."""
         r = self._res.get(transfer_id)
         if r is None or not r.complete:
@@ -185,6 +188,9 @@ class DecodeTransfers:
         if list(prompt_token_ids) != r.prompt_token_ids:
             raise TransferMismatch(f"transfer {transfer_id!r} carries another prompt "
                                    f"({len(r.prompt_token_ids)} tokens) than this request ({len(prompt_token_ids)})")
+        if self.kv.root(transfer_key(transfer_id)) != root:
+            raise TransferMismatch(f"transfer {transfer_id!r} was reserved under another cache_salt than "
+                                   "this request's")
         del self._res[transfer_id]
         self.kv.rename(transfer_key(transfer_id), request_id)
         return r
@@ -244,11 +250,12 @@ class DecodeRole:
 
     # ---- any thread -----------------------------------------------------------------------------
     def reserve(self, transfer_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
-                owner: object = None) -> Future:
+                owner: object = None, root: BlockHash = ROOT_HASH) -> Future:
         """Reserve blocks for a transfer; the future gives a ``Reservation`` or fails with
         ``NoRoom``/``TooLarge``/``TransferMismatch``."""
         ids = list(prompt_token_ids)
-        return self.post(lambda: self.transfers.reserve(transfer_id, ids, max_tokens, time.monotonic(), owner=owner))
+        return self.post(lambda: self.transfers.reserve(transfer_id, ids, max_tokens, time.monotonic(), owner=owner,
+                                                        root=root))
 
     def check_push(self, transfer_id: str, start: int, hashes: Sequence[BlockHash | None], final: bool,
                    owner: object = None) -> Future:
@@ -274,7 +281,7 @@ class DecodeRole:
         entry if the request asks for logprobs. ``claim.claimed`` resolves with the reservation or
         fails with the ``UnknownTransfer``/``TransferMismatch`` raised here (``req`` untouched)."""
         try:
-            r = self.transfers.claim(claim.transfer_id, req.prompt_token_ids, req.request_id)
+            r = self.transfers.claim(claim.transfer_id, req.prompt_token_ids, req.request_id, req.kv_root)
         except HandoffError as e:
             if claim.claimed is not None:
                 claim.claimed.set_exception(e)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..transfer.auth import TokenSource, no_token
+from kvmesh.engine.block_hash import ROOT_HASH
 from ..transfer import protocol
 from ..transfer.buffers import as_bytes
 from ..transfer.client import AsyncKVClient
@@ -73,9 +74,10 @@ class DecodeLinks:
         return await coro_fn(self._client(host, port))
 
     async def reserve(self, host: str, port: int, transfer_id: str, prompt_token_ids: list[int],
-                      max_tokens: int) -> protocol.Reserved:
+                      max_tokens: int, root: bytes = ROOT_HASH) -> protocol.Reserved:
+        """``root``: the request's chain root (its cache_salt); the decode engine hashes with it."""
         async def run(c: AsyncKVClient) -> protocol.Reserved | protocol.ErrorReply:
-            return await c.reserve(transfer_id, self.layout, prompt_token_ids, max_tokens)
+            return await c.reserve(transfer_id, self.layout, prompt_token_ids, max_tokens, root=root)
 
         reply = await self._on_loop(self._guarded(host, port, run))
         if isinstance(reply, protocol.ErrorReply):

@@ -188,7 +188,7 @@ class PrefillRole:
             return None
         n = req.num_prompt_tokens
         full = n // self.kv.block_size
-        chain = self.kv.extend_chain(req.request_id, req.prompt_token_ids, min(full, end))
+        chain = self.kv.extend_chain(req.request_id, req.prompt_token_ids, min(full, end), req.kv_root)
         hashes = [chain[i] if i < full else None for i in range(start, end)]
         data = gather_blocks(self.kv_cache, self.kv.block_ids(req.request_id)[start:end])
         req.handoff_sent = end

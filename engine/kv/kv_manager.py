@@ -67,6 +67,8 @@ class RequestKV:
     blocks: list[KVBlock] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_blocks: int = 0
+    root: BlockHash = ROOT_HASH
+    """What block 0's hash chains from: ``block_hash.chain_root(cache_salt)`` of the request."""
 
 
 class KVCacheManager:
@@ -96,14 +98,18 @@ class KVCacheManager:
         if num_blocks * bs > len(token_ids):
             raise ValueError(f"{num_blocks} full blocks need {num_blocks * bs} tokens, "
                              f"the request has {len(token_ids)}")
-        prev = hashes[-1] if hashes else ROOT_HASH
+        prev = hashes[-1] if hashes else state.root
         for i in range(len(hashes), num_blocks):
             prev = hash_block(prev, token_ids[i * bs:(i + 1) * bs], self.extra)
             hashes.append(prev)
 
     # ------------------------------------------------------------- scheduling
-    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
+                            root: BlockHash = ROOT_HASH) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request, as (blocks, num_computed_tokens).
+
+        ``root`` (here, in ``allocate_slots`` and ``extend_chain``) is the request's chain root,
+        used when its KV state is created: pass the same one on every call for a request.
 
         Leaves at least one token to compute, so the model still produces logits. Takes no
         references: pass the result to ``allocate_slots`` in the same scheduling step. Counts
@@ -112,7 +118,7 @@ class KVCacheManager:
         """
         if not self.enable_caching or not token_ids:
             return [], 0
-        state = self.requests.setdefault(request_id, RequestKV())
+        state = self.requests.setdefault(request_id, RequestKV(root=root))
         max_blocks = (len(token_ids) - 1) // self.block_size
         self._ensure_hashes(state, token_ids, max_blocks)
         hits: list[KVBlock] = []
@@ -136,7 +142,7 @@ class KVCacheManager:
 
     def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int,
                        new_computed_blocks: Sequence[KVBlock] = (),
-                       num_computed_tokens: int = 0) -> list[KVBlock] | None:
+                       num_computed_tokens: int = 0, root: BlockHash = ROOT_HASH) -> list[KVBlock] | None:
         """Make the request own blocks for ``num_computed_tokens + num_new_tokens`` tokens.
 
         ``num_computed_tokens`` counts tokens whose KV already exists: on the first call the
@@ -157,7 +163,7 @@ class KVCacheManager:
                 raise ValueError(f"{len(new_computed_blocks)} hit blocks cover "
                                  f"{len(new_computed_blocks) * self.block_size} tokens but "
                                  f"num_computed_tokens is {num_computed_tokens}")
-            state = state or RequestKV()
+            state = state or RequestKV(root=root)
             self._ensure_hashes(state, token_ids, len(new_computed_blocks))
             for i, b in enumerate(new_computed_blocks):
                 if b.block_hash != state.block_hashes[i]:
@@ -173,7 +179,7 @@ class KVCacheManager:
         if need > self.pool.num_free_blocks - taken_from_free:
             return None
         if state is None:
-            state = RequestKV()
+            state = RequestKV(root=root)
         self.requests[request_id] = state
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
@@ -223,14 +229,20 @@ class KVCacheManager:
             raise KeyError(f"rename: unknown request {old_id!r}")
         self.requests[new_id] = state
 
-    def extend_chain(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
+    def extend_chain(self, request_id: str, token_ids: Sequence[int], num_blocks: int,
+                     root: BlockHash = ROOT_HASH) -> list[BlockHash]:
         """The request's chain hashes of its first ``num_blocks`` full blocks (computed as needed,
         also without prefix caching: a KV transfer names its blocks by them)."""
-        state = self.requests.setdefault(request_id, RequestKV())
+        state = self.requests.setdefault(request_id, RequestKV(root=root))
         self._ensure_hashes(state, token_ids, num_blocks)
         return state.block_hashes[:num_blocks]
 
     # ---------------------------------------------------------------- queries
+    def root(self, request_id: str) -> BlockHash:
+        """The chain root the request's KV state was created with (``ROOT_HASH`` when it has none)."""
+        state = self.requests.get(request_id)
+        return state.root if state is not None else ROOT_HASH
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (empty for a request holding no blocks)."""
         state = self.requests.get(request_id)

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import pydantic
 
-from kvmesh.engine.block_hash import BlockHash, hash_blocks
+from kvmesh.engine.block_hash import BlockHash, chain_root, hash_blocks
 from kvmesh.engine.api import params
 from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -33,12 +33,14 @@ class PromptInfo:
 
     ``token_ids`` is the first prompt's tokens (a multi-prompt completions request goes to one
     engine, and its first prompt stands for the rest), or None when unknown; ``user`` is the
-    body's ``user`` field (a session key).
+    body's ``user`` field (a session key); ``cache_salt`` its tenant salt, which starts the
+    chain from the engine's salted root, so a salted prompt matches only blocks of that salt.
     """
 
     token_ids: list[int] | None = None
     user: str | None = None
     num_prompt_tokens: int = 0
+    cache_salt: str | None = None
     _hashes: dict[tuple[int, bytes], list[BlockHash]] = field(default_factory=dict, compare=False)
 
     def hashes(self, block_size: int, extra: bytes) -> list[BlockHash]:
@@ -48,7 +50,7 @@ class PromptInfo:
         key = (block_size, extra)
         got = self._hashes.get(key)
         if got is None:
-            got = self._hashes[key] = hash_blocks(self.token_ids, block_size, extra)
+            got = self._hashes[key] = hash_blocks(self.token_ids, block_size, extra, chain_root(self.cache_salt))
         return got
 
 
@@ -72,11 +74,11 @@ def analyze(path: str, body: bytes, tokenizer: Any | None) -> PromptInfo:
         if path == CHAT:
             chat = ChatCompletionRequest.model_validate_json(body)
             ids = params.chat_prompt_ids(tokenizer, chat)
-            return PromptInfo(ids, chat.user, len(ids))
+            return PromptInfo(ids, chat.user, len(ids), chat.cache_salt)
         if path == COMPLETIONS:
             comp = CompletionRequest.model_validate_json(body)
             prompts = params.completion_prompt_ids(tokenizer, comp)
-            return PromptInfo(prompts[0], comp.user, sum(len(p) for p in prompts))
+            return PromptInfo(prompts[0], comp.user, sum(len(p) for p in prompts), comp.cache_salt)
     except (pydantic.ValidationError, APIError, ValueError, TypeError):
         pass
     return PromptInfo(user=_user_of(body))

@@ -75,6 +75,7 @@ class SeqSubmission:
     params: SamplingParams
     handoff: Handoff | None = None
     """The sequence's role in a KV handoff (engine/roles.py), if any."""
+    cache_salt: str | None = None
 
 
 class RequestGroup:
@@ -240,8 +241,8 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for s in seqs:
-                self.engine.add_request(s.request_id, s.prompt_token_ids, s.params,
-                                        priority=priority, arrival_time=arrival_time, handoff=s.handoff)
+                self.engine.add_request(s.request_id, s.prompt_token_ids, s.params, priority=priority,
+                                        arrival_time=arrival_time, handoff=s.handoff, cache_salt=s.cache_salt)
                 added.append(s.request_id)
         except BaseException:
             for rid in added:

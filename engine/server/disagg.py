@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvmesh.engine.api import errors
+from kvmesh.engine.block_hash import chain_root
 from kvmesh.engine.server.async_engine import AsyncEngine
 from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.server.generation import Prepared, Serving, engine_error
@@ -143,7 +144,7 @@ class DisaggServing:
             raise engine_error(e, "prompt" if prep.kind == "completion" else "messages") from None
         t0 = time.perf_counter()
         try:
-            res = await self.links.reserve(host, port, tid, prompt, params.max_tokens)
+            res = await self.links.reserve(host, port, tid, prompt, params.max_tokens, chain_root(prep.cache_salt))
         except Refused as e:
             if e.kind == protocol.ERR_NO_ROOM:
                 self._failed("decode_no_room")

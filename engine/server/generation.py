@@ -44,6 +44,8 @@ class Prepared:
     num_top_logprobs: int | None
     priority: int = 0
     echo_texts: list[str] | None = None  # completions with echo=true: the prompt text per prompt
+    cache_salt: str | None = None
+    """The request's prefix-cache namespace (``block_hash.chain_root``)."""
 
     def seq_id(self, index: int) -> str:
         return f"{self.request_id}-{index}"
@@ -116,7 +118,7 @@ class Serving:
         if req.echo:
             echo = [p if isinstance(p, str) else tok.decode(p) for p in req.prompts()]
         return Prepared("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, prompts, choices,
-                        req.stream, req.include_usage, req.logprobs, req.priority, echo)
+                        req.stream, req.include_usage, req.logprobs, req.priority, echo, req.cache_salt)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         model = self._model(req.model)
@@ -126,7 +128,7 @@ class Serving:
         lp = params.chat_logprobs(req)
         choices = self._choices(req, [ids], None, lp, max_tokens)
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, [ids], choices,
-                        req.stream, req.include_usage, lp, req.priority)
+                        req.stream, req.include_usage, lp, req.priority, cache_salt=req.cache_salt)
 
     def _choices(self, req: Any, prompts: list[list[int]], default_max: int | None, logprobs: int | None,
                  max_tokens: int | None = None) -> list[params.ChoiceSpec]:
@@ -144,8 +146,8 @@ class Serving:
     # ---- execution --------------------------------------------------------------------
     def submit(self, prep: Prepared, arrival_time: float, handoff: Handoff | None = None) -> RequestGroup:
         """Start every choice of ``prep``, each with ``handoff`` as its role in a KV handoff."""
-        seqs = [SeqSubmission(prep.seq_id(c.index), prep.prompts[c.prompt_index], c.params, handoff)
-                for c in prep.choices]
+        seqs = [SeqSubmission(prep.seq_id(c.index), prep.prompts[c.prompt_index], c.params, handoff,
+                              prep.cache_salt) for c in prep.choices]
         try:
             return self.aengine.submit(seqs, priority=prep.priority, arrival_time=arrival_time)
         except APIError:

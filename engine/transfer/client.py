@@ -32,6 +32,7 @@ import ucxx
 from ucxx.exceptions import UCXError
 
 from . import auth, protocol
+from kvmesh.engine.block_hash import ROOT_HASH
 from .auth import TokenSource, no_token
 from .buffers import KVBlock
 from .channel import Channel
@@ -152,11 +153,12 @@ class AsyncKVClient:
 
     # ---- prefill -> decode handoff (docs/disagg.md) ------------------------------------------------
     async def reserve(self, transfer_id: str, layout: BlockLayout, prompt_token_ids: Sequence[int], max_tokens: int,
-                      timeout: float | None = None) -> protocol.Reserved | protocol.ErrorReply:
+                      timeout: float | None = None, root: bytes = ROOT_HASH) -> protocol.Reserved | protocol.ErrorReply:
         """Ask a decode engine to reserve blocks; a refusal (no room, too large, header) is returned."""
 
         async def run(ch: Channel) -> protocol.Reserved | protocol.ErrorReply:
-            await ch.send(protocol.Reserve(transfer_id, layout, list(prompt_token_ids), max_tokens))
+            await ch.send(protocol.Reserve(transfer_id, layout, list(prompt_token_ids), max_tokens,
+                                           b"" if root == ROOT_HASH else root))
             reply = await ch.expect(protocol.Reserved)
             if isinstance(reply, protocol.ErrorReply) and reply.kind == protocol.ERR_INTERNAL:
                 raise_error_reply(reply)

@@ -125,6 +125,8 @@ class Reserve(Message, tag="reserve"):
     layout: BlockLayout
     prompt_token_ids: list[int]
     max_tokens: int
+    chain_root: bytes = b""
+    """The request's block chain root when it has a cache_salt (32 bytes); empty: ``ROOT_HASH``."""
 
 
 class Reserved(Message, tag="reserved"):

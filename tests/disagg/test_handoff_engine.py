@@ -8,8 +8,11 @@ greedy forward, so a wrong block, offset or first token shows up as a token diff
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 
+from kvmesh.engine.block_hash import chain_root
 from kvmesh.engine.disagg.decode_side import transfer_key
 from kvmesh.engine.disagg.errors import NoRoom, TooLarge, TransferMismatch, UnknownTransfer
 from kvmesh.engine.disagg.prefill_side import DECODE
@@ -42,6 +45,37 @@ def test_disaggregated_greedy_equals_transformers(model_dir, loaded, reference):
         e.check_integrity()
         assert not e.kv.requests, e.kv.requests  # nothing held, nothing reserved
         assert len(e.prefill) == 0 and len(e.decode) == 0
+
+
+def test_a_salted_handoff_shares_blocks_only_with_its_salt(model_dir, loaded, reference):  # noqa: F811
+    """The decode engine reserves under the request's salted root (the Reserve message carries it):
+    no hits on another tenant's blocks, exact tokens, and a claim under another salt is refused."""
+    p = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    handoff_once(p, d, 0, PROMPTS[0], greedy())  # the shared 40-token prefix, unsalted, on both
+    res, h, toks = handoff_once(p, d, 1, PROMPTS[1], greedy(), cache_salt="tenant-a")
+    assert toks == reference[1]
+    assert res.hit_blocks == 0 and h.start == 0 and h.first.cached_tokens == 0
+    res, h, toks = handoff_once(p, d, 2, PROMPTS[2], greedy(), cache_salt="tenant-a")
+    assert toks == reference[2] and res.hit_blocks == 10 and h.first.cached_tokens == 40
+    fut = d.decode.reserve("m", PROMPTS[0], MAX_NEW, root=chain_root("tenant-a"))
+    d.idle_tick()
+    hp = prefill(p, "pm", PROMPTS[0], greedy(), fut.result(0).hit_blocks, "tenant-a")
+    d.decode.check_push("m", hp.start, hp.hashes, True)
+    d.decode.fill("m", hp.start, hp.data, True, hp.first)
+    d.idle_tick()
+    claimed: Future = Future()
+    d.add_request("x", PROMPTS[0], greedy(), handoff=DecodeClaim("m", claimed), cache_salt="tenant-b")
+    d.idle_tick()
+    with pytest.raises(TransferMismatch, match="cache_salt"):
+        claimed.result(0)
+    d.decode.cancel("m")
+    p.prefill.release("pm", DECODE)
+    p.idle_tick()
+    d.idle_tick()
+    for e in (p, d):
+        e.check_integrity()
+        assert not e.kv.requests, e.kv.requests
 
 
 def test_prefill_holds_blocks_until_decode_confirms(model_dir, loaded):  # noqa: F811
@@ -110,7 +144,6 @@ def test_decode_checks_pushes_and_claims(model_dir, loaded):  # noqa: F811
         d.idle_tick()
         with pytest.raises(TransferMismatch):
             f.result(0)
-    from concurrent.futures import Future
 
     early: Future = Future()
     d.add_request("x", PROMPTS[0], greedy(), handoff=DecodeClaim("t", early))  # not complete yet
@@ -148,7 +181,6 @@ def test_streamed_handoff_sends_blocks_as_chunks_complete(model_dir, loaded, ref
     """With a streamed PrefillHandoff the prefill engine outputs each step's completed prompt blocks as a part
     (in order, before the first token); the decode engine fills them as they come and the tokens
     are the same as with one push."""
-    from concurrent.futures import Future
 
     from tests.support.handoff import _run_until
 

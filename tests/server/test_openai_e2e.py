@@ -147,6 +147,25 @@ def test_prefix_cache_reported_in_usage(client):
     assert cached % 16 == 0  # whole blocks only (block size 16)
 
 
+def test_cache_salt_separates_tenants_prefixes(client):
+    """vLLM's cache_salt over HTTP: a salted request reuses only what the same salt cached, and
+    the answer is the same either way."""
+    msgs = _chat("Describe the water cycle for a ten-year-old, in three short sentences.")
+
+    def ask(salt=None):
+        body = {"cache_salt": salt} if salt else None
+        r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=6, extra_body=body)
+        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+    text, _ = ask()
+    assert ask("tenant-a") == (text, 0)  # the unsalted copy is invisible to a salted tenant
+    assert ask("tenant-b") == (text, 0)
+    again, cached = ask("tenant-a")
+    assert again == text and cached > 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        ask("x" * 300)
+
+
 def test_seeded_sampling_is_reproducible_and_choices_differ(client):
     kw = dict(model=MODEL, messages=_chat("Invent a name for a cat."), temperature=1.0, max_tokens=12, seed=1234)
     a = client.chat.completions.create(n=3, **kw)

@@ -88,7 +88,9 @@ class FakeEngine:
         self.step_calls = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    priority: int = 0, arrival_time: float | None = None, handoff: object = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None, handoff: object = None,
+                    cache_salt: str | None = None) -> None:
+        """The real engine's signature; the fake caches nothing, so a salt changes nothing."""
         if handoff is not None:
             raise ValueError("the fake engine takes no part in KV handoffs")
         params.validate()
