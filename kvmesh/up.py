@@ -56,6 +56,7 @@ class UpOptions:
     cpu_kv_bytes: str | None = None  # each engine's host KV tier
     auth_token_file: str | None = None  # the internal token every process checks (up writes one)
     api_key_files: tuple[str, ...] = ()  # client keys the router checks
+    isolate_tenants: bool = False  # the router salts each key's requests (engines see its salt)
     kv_transfer_base_port: int = 8200  # decode engine j receives KV (UCX) on this port + j
 
     @property
@@ -107,6 +108,8 @@ def engine_roles(opts: UpOptions) -> list[tuple[str, str]]:
 def plan(opts: UpOptions, cores: int) -> list[ProcSpec]:
     """The cache node (with --cache-node), the engines, then the router that fronts them: the order
     they are started in (and stopped in reverse)."""
+    if opts.isolate_tenants and not opts.api_key_files:
+        raise UpError("--isolate-tenants needs --api-key-file: tenants are told apart by their API key")
     roles = engine_roles(opts)
     n = len(roles)
     decoders = [i for i, (_, role) in enumerate(roles) if role == "decode"]
@@ -147,6 +150,7 @@ def plan(opts: UpOptions, cores: int) -> list[ProcSpec]:
                            policy=opts.policy, model=opts.model, host=opts.host, port=opts.port,
                            auth_token_file=opts.auth_token_file)
     keys = tuple(a for f in opts.api_key_files for a in ("--api-key-file", f))
+    keys += ("--isolate-tenants",) if opts.isolate_tenants else ()
     specs.append(ProcSpec("router", (*fa.router_args(router), *keys), f"http://{opts.host}:{opts.port}"))
     return specs
 
@@ -390,6 +394,8 @@ def add_up_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
                    help="client API keys the router requires, one per line (repeatable; default: none, "
                         "the OpenAI endpoints are open)")
+    p.add_argument("--isolate-tenants", action="store_true",
+                   help="a prefix cache per API key: the router salts each key's requests (needs --api-key-file)")
     p.set_defaults(func=handler)
 
 
@@ -401,7 +407,7 @@ def handler(args: argparse.Namespace) -> int:
                      threads=args.threads, kv_cache_bytes=args.kv_cache_bytes, serve_args=tuple(args.serve_arg),
                      cache_node=args.cache_node, cache_node_port=args.cache_node_port,
                      cache_node_memory=args.cache_node_memory, cpu_kv_bytes=args.cpu_kv_bytes,
-                     api_key_files=tuple(args.api_key_file))
+                     api_key_files=tuple(args.api_key_file), isolate_tenants=args.isolate_tenants)
     run_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvmesh-up-"))
     if args.auth:
         opts = dataclasses.replace(opts, auth_token_file=str(write_token(run_dir)))

@@ -18,6 +18,7 @@ rotated Kubernetes Secret), never logged, and an empty or unreadable one fails a
 from __future__ import annotations
 
 import argparse
+import hashlib
 import hmac
 import json
 import os
@@ -122,17 +123,45 @@ def forbidden(message: str) -> APIError:
     return APIError(message, 403, "invalid_request_error", "forbidden")
 
 
+def tenant_salt(api_key: str, cache_salt: str | None = None) -> str:
+    """The cache salt of a request made with ``api_key`` under ``--isolate-tenants``: the key's
+    identity (a hash: the key itself never enters anything that is hashed or published), then the
+    request's own salt, so a tenant can still split its own traffic but never reach another's."""
+    ident = hashlib.sha256(b"kvmesh-tenant-v1\0" + api_key.encode()).hexdigest()[:32]
+    return f"tenant:{ident}" + (f"/{cache_salt}" if cache_salt else "")
+
+
 @dataclass
 class Credentials:
-    """What one server accepts: the internal token (if any) and the client keys (if any)."""
+    """What one server accepts: the internal token (if any) and the client keys (if any).
+
+    ``isolate_tenants``: every request made with a client key gets that key's ``tenant_salt``, so
+    tenants (keys) never share cached prefixes. Requests with the internal token keep the salt
+    they carry: the router salted them already."""
 
     token: TokenFile | None = None
     api_keys: frozenset[str] = frozenset()
+    isolate_tenants: bool = False
+
+    def __post_init__(self) -> None:
+        if self.isolate_tenants and not self.api_keys:
+            raise AuthConfigError("--isolate-tenants needs client keys (--api-key or --api-key-file): "
+                                  "tenants are told apart by the key they send")
 
     @classmethod
     def from_options(cls, token_file: str | None = None, api_keys: list[str] | tuple[str, ...] = (),
-                     api_key_files: list[str] | tuple[str, ...] = ()) -> Credentials:
-        return cls(TokenFile(Path(token_file)) if token_file else None, read_api_keys(api_keys, api_key_files))
+                     api_key_files: list[str] | tuple[str, ...] = (), isolate_tenants: bool = False) -> Credentials:
+        return cls(TokenFile(Path(token_file)) if token_file else None, read_api_keys(api_keys, api_key_files),
+                   isolate_tenants)
+
+    def cache_salt(self, authorization: str | bytes | None, cache_salt: str | None) -> str | None:
+        """The salt a request with this ``Authorization`` and body ``cache_salt`` runs under."""
+        if not self.isolate_tenants:
+            return cache_salt
+        cred = bearer(authorization)
+        if cred is None or not self.is_client(cred) or self.is_internal(cred):
+            return cache_salt
+        return tenant_salt(cred, cache_salt)
 
     @property
     def enabled(self) -> bool:
@@ -221,9 +250,13 @@ def add_auth_arguments(parser: argparse.ArgumentParser, client_keys: bool = True
                             "(repeatable; prefer --api-key-file, a command line is visible to other users)")
         g.add_argument("--api-key-file", action="append", default=None, metavar="PATH",
                        help="a file of API keys, one per line (repeatable)")
+        g.add_argument("--isolate-tenants", action="store_true",
+                       help="give every API key its own prefix cache: requests share cached KV only with "
+                            "requests of the same key (and the same cache_salt, if they send one)")
 
 
 def credentials_from_args(args: argparse.Namespace) -> Credentials:
     """The ``Credentials`` the auth options ask for; ``AuthConfigError`` names an unusable file."""
     return Credentials.from_options(getattr(args, "auth_token_file", None), getattr(args, "api_key", None) or (),
-                                    getattr(args, "api_key_file", None) or ())
+                                    getattr(args, "api_key_file", None) or (),
+                                    getattr(args, "isolate_tenants", False))

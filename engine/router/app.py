@@ -32,7 +32,7 @@ from kvmesh.engine.router.discovery import Fleet, ServiceSource, SubscriberFacto
 from kvmesh.engine.router.dispatch import Dispatcher
 from kvmesh.engine.router.metrics import PDMetrics, RouterMetrics
 from kvmesh.engine.router.policies import LoadModel, build_policy, uses_prefix
-from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, analyze
+from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, analyze, with_cache_salt
 from kvmesh.engine.router.proxy import all_engines_down, internal_auth
 from kvmesh.engine.router.sessions import SessionTable, session_key
 from kvmesh.engine.router.slo import ClientClock
@@ -313,6 +313,10 @@ class RouterApp:
     async def _serve(self, scope: dict[str, Any], body: bytes, send: proxy.Send, path: str) -> None:
         assert self.fleet is not None and self.session is not None
         t0 = time.perf_counter()
+        auth = self.settings.auth
+        if auth.isolate_tenants:  # before hashing: the router's index sees the tenant's chain
+            authorization = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), None)
+            body = with_cache_salt(body, lambda own: auth.cache_salt(authorization, own))
         if self.tokenizer is not None and len(body) > OFFLOAD_BODY_BYTES:
             # Long prompts take milliseconds to tokenize; the Rust tokenizer releases the GIL, so a
             # worker thread keeps the loop relaying other requests' chunks meanwhile.

@@ -11,7 +11,7 @@ prefix information and the engine answers it (so 4xx bodies always come from the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,27 @@ def _user_of(body: bytes) -> str | None:
         return None
     user = doc.get("user") if isinstance(doc, dict) else None
     return user if isinstance(user, str) else None
+
+
+_encode = msgspec.json.Encoder()
+
+
+def with_cache_salt(body: bytes, salt_of: Callable[[str | None], str | None]) -> bytes:
+    """``body`` with its ``cache_salt`` replaced by ``salt_of(cache_salt)`` (``--isolate-tenants``:
+    the key's tenant salt). A body that is not a JSON object goes on unchanged: the engine
+    answers it with the 4xx that names what is wrong."""
+    try:
+        doc = _json.decode(body)
+    except msgspec.DecodeError:
+        return body
+    if not isinstance(doc, dict):
+        return body
+    own = doc.get("cache_salt")
+    salt = salt_of(own if isinstance(own, str) else None)
+    if salt == own:
+        return body
+    doc["cache_salt"] = salt
+    return _encode.encode(doc)
 
 
 def analyze(path: str, body: bytes, tokenizer: Any | None) -> PromptInfo:

@@ -205,6 +205,7 @@ class ServerApp:
         async def completions(body: CompletionRequest, request: Request) -> Any:
             arrival = time.monotonic()
             aengine.check_accepting(0)
+            body.cache_salt = self.auth.cache_salt(request.headers.get("authorization"), body.cache_salt)
             if body.kv_transfer_params is not None:
                 self._check_internal(request)
                 return await self.disagg.respond(serving.prepare_completion(body), body.kv_transfer_params,
@@ -215,6 +216,7 @@ class ServerApp:
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
             arrival = time.monotonic()
             aengine.check_accepting(0)
+            body.cache_salt = self.auth.cache_salt(request.headers.get("authorization"), body.cache_salt)
             if body.kv_transfer_params is not None:
                 self._check_internal(request)
                 return await self.disagg.respond(serving.prepare_chat(body), body.kv_transfer_params,

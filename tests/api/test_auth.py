@@ -115,3 +115,29 @@ def test_the_gate_refuses_before_the_app_and_lets_the_rest_through(creds):
     assert (status, reached) == (401, False) and body["error"]["code"] == "invalid_api_key"
     assert _call(creds, "/v1/models", [(b"Authorization", b"Bearer key-a")])[::2] == (200, True)
     assert _call(creds, "/metrics", [])[::2] == (200, True)
+
+
+def test_isolated_tenants_are_salted_by_their_key_and_internal_callers_keep_theirs(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("the-internal-token\n")
+    creds = Credentials.from_options(str(token), ["key-a", "key-b"], isolate_tenants=True)
+    a, b = (creds.cache_salt(f"Bearer {k}", None) for k in ("key-a", "key-b"))
+    assert a.startswith("tenant:") and a != b and "key-a" not in a  # the key never enters a hash
+    assert creds.cache_salt("Bearer key-a", None) == a  # stable: the tenant's cache survives restarts
+    assert creds.cache_salt("Bearer key-a", "split") == f"{a}/split"
+    assert creds.cache_salt("Bearer the-internal-token", "set-by-the-router") == "set-by-the-router"
+    assert Credentials.from_options(None, ["key-a"]).cache_salt("Bearer key-a", "own") == "own"
+    with pytest.raises(AuthConfigError, match="--isolate-tenants needs client keys"):
+        Credentials.from_options(str(token), isolate_tenants=True)
+
+
+def test_the_router_rewrites_only_the_salt_of_a_json_object_body():
+    from kvmesh.engine.router.prompt import with_cache_salt
+
+    body = b'{"model": "m", "prompt": "hi", "cache_salt": "mine"}'
+    out = json.loads(with_cache_salt(body, lambda own: f"tenant:x/{own}"))
+    assert out == {"model": "m", "prompt": "hi", "cache_salt": "tenant:x/mine"}
+    assert json.loads(with_cache_salt(b'{"prompt": "hi"}', lambda own: "tenant:x"))["cache_salt"] == "tenant:x"
+    for bad in (b"not json", b"[1, 2]", b""):
+        assert with_cache_salt(bad, lambda own: "tenant:x") == bad  # the engine answers it with a 4xx
+    assert with_cache_salt(body, lambda own: own) is body  # nothing to change: not re-encoded

@@ -21,7 +21,7 @@ from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.slow  # three real processes: about 30 s
 
-TOKEN, KEY = "internal-token-for-tests", "client-key-for-tests"
+TOKEN, KEY, KEY2 = "internal-token-for-tests", "client-key-for-tests", "another-tenants-key"
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
         "temperature": 0}
 
@@ -34,7 +34,7 @@ def _auth(credential: str | None) -> dict[str, str]:
 def fleet(tmp_path_factory):
     d = tmp_path_factory.mktemp("auth")
     (d / "token").write_text(TOKEN + "\n")
-    (d / "keys").write_text(f"# client keys\n{KEY}\n")
+    (d / "keys").write_text(f"# client keys\n{KEY}\n{KEY2}\n")
     model = make_tiny_hf_model("llama", d / "model")
     auth = ("--auth-token-file", str(d / "token"))
     node = NodeProc(flags=auth).start()
@@ -43,9 +43,11 @@ def fleet(tmp_path_factory):
         engine = ServerProcess("--model", str(model), "--served-model-name", "tiny", "--dtype", "float32",
                                "--block-size", "4", "--num-kv-blocks", "128", "--max-model-len", "256",
                                "--cache-node", f"127.0.0.1:{node.http_port}", "--kv-events-port",
-                               str(free_port_pair()), *auth, "--api-key-file", str(d / "keys")).start()
+                               str(free_port_pair()), *auth, "--api-key-file", str(d / "keys"),
+                               "--isolate-tenants").start()
         router = RouterProcess("--engines", engine.base_url, "--policy", "cache-aware", "--model", "tiny",
-                               "--health-interval-s", "0.5", *auth, "--api-key-file", str(d / "keys")).start()
+                               "--health-interval-s", "0.5", *auth, "--api-key-file", str(d / "keys"),
+                               "--isolate-tenants").start()
         yield node, engine, router
     finally:
         for p in (router, engine):
@@ -116,6 +118,30 @@ def test_the_router_port_and_its_calls_to_the_engine(fleet):
     # The router relayed with the internal token: the engine refused nothing of it.
     assert (engine.metric("kvmesh_auth_refused_total", access="client", status="401") or 0) == before
     assert router.metric("kvmesh_router_auth_refused_total", access="client", status="401") == 2
+
+
+def test_isolated_tenants_share_no_prefix_through_the_router_or_directly(fleet):
+    """--isolate-tenants on both: a key reuses only what the same key cached, whether it calls the
+    router (which salts the body it relays) or the engine (which salts requests made with a key)."""
+    _, engine, router = fleet
+    for i, server in enumerate((router, engine)):
+        # Token ids, not chat: no template prefix that a tenant's earlier requests cached already.
+        body = {"model": "tiny", "prompt": [(37 * j + 11 * i) % 500 + 20 for j in range(32)], "max_tokens": 2}
+
+        def cached(key: str, extra: dict | None = None) -> int:
+            r = httpx.post(server.url("/v1/completions"), json={**body, **(extra or {})}, headers=_auth(key),
+                           timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(KEY) == 0
+        assert cached(KEY2) == 0  # the same prompt, another tenant: nothing of KEY's is visible
+        assert cached(KEY) > 0 and cached(KEY2) > 0
+        assert cached(KEY, {"cache_salt": "my-own-split"}) == 0  # a tenant may split its own traffic
+        # A salt that names another tenant's does not reach its blocks either.
+        from kvmesh.engine.api.auth import tenant_salt
+
+        assert cached(KEY, {"cache_salt": tenant_salt(KEY2)}) == 0
 
 
 @pytest.fixture(scope="module")
