@@ -32,6 +32,14 @@ def add_cache_node_arguments(p: argparse.ArgumentParser) -> None:
                                                                          "(default: --host)")
     p.add_argument("--payload-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="how long a put's block data may take to arrive (default: %(default)s)")
+    p.add_argument("--message-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="how long the rest of a request (or a new connection's hello) may take once its first "
+                        "bytes arrived; a connection that stalls longer is closed (default: %(default)s)")
+    p.add_argument("--max-inflight", type=parse_size, default=None, metavar="SIZE",
+                   help="bytes of offered blocks still on the wire, all connections together; memory use is at "
+                        "most --memory plus this (default: the smaller of --memory and 256MiB)")
+    p.add_argument("--max-put", type=parse_size, default=64 << 20, metavar="SIZE",
+                   help="bytes one put (one connection at a time) may have in flight (default: 64MiB)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_auth_arguments(p, client_keys=False)
 
@@ -73,7 +81,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         raise SystemExit(f"kvmesh cache-node: {e}") from None
     return NodeSettings(memory=memory, host=args.host, port=args.port, ucx_port=ucx_port, node_id=args.node_id,
                         kv_events_port=args.kv_events_port, kv_events_host=args.kv_events_host or "",
-                        payload_timeout=args.payload_timeout, auth=auth)
+                        payload_timeout=args.payload_timeout, message_timeout=args.message_timeout,
+                        max_inflight=args.max_inflight or min(memory, 256 << 20), max_put=args.max_put, auth=auth)
 
 
 def run_cache_node(args: argparse.Namespace) -> int:

@@ -42,15 +42,23 @@ _COUNTERS = {  # StoreStats field -> (metric name without kvmesh_cachenode_ and 
 }
 
 
+_CLOSED = {
+    "auth_failures": ("auth_failed_connections", "UCX connections closed for not proving the internal token"),
+    "timeouts": ("stalled_connections", "UCX connections closed for a Hello, a request or a put's data that "
+                                        "did not arrive in time (--message-timeout, --payload-timeout)"),
+}
+
+
 class CacheNodeCollector:
     """Prometheus collector reading the store at scrape time (no per-request metric updates)."""
 
     def __init__(self, store: BlockStore, connections: Callable[[], int], refused: Callable[[], int] = lambda: 0,
-                 auth_failures: Callable[[], int] = lambda: 0) -> None:
+                 closed: Callable[[], dict[str, int]] = dict) -> None:
+        """``closed()``: the transport server's counts of connections it closed, by ``_CLOSED`` key."""
         self.store = store
         self.connections = connections
         self.refused = refused
-        self.auth_failures = auth_failures
+        self.closed = closed
 
     def collect(self) -> Iterator[Any]:
         s = self.store
@@ -78,10 +86,11 @@ class CacheNodeCollector:
                                                                  "internal token")
         c.add_metric([], self.refused())
         yield c
-        c = CounterMetricFamily("kvmesh_cachenode_auth_failed_connections", "UCX connections closed for not "
-                                                                           "proving the internal token")
-        c.add_metric([], self.auth_failures())
-        yield c
+        closed = self.closed()
+        for key, (name, doc) in _CLOSED.items():
+            c = CounterMetricFamily(f"kvmesh_cachenode_{name}", doc)
+            c.add_metric([], closed.get(key, 0))
+            yield c
 
 
 class SidePort:
@@ -90,12 +99,12 @@ class SidePort:
     def __init__(self, host: str, port: int, store: BlockStore, events: KVEventLog,
                  info: Callable[[], dict[str, Any]], ready: Callable[[], bool],
                  connections: Callable[[], int], auth: Credentials | None = None,
-                 auth_failures: Callable[[], int] = lambda: 0) -> None:
+                 closed: Callable[[], dict[str, int]] = dict) -> None:
         """``auth``: /kv/snapshot and /kv/info need its internal token (api/auth.py)."""
         auth = auth or Credentials()
         self.refused = 0
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(CacheNodeCollector(store, connections, lambda: self.refused, auth_failures))
+        registry.register(CacheNodeCollector(store, connections, lambda: self.refused, closed))
         outer = self
         routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
             "/health": lambda: _json(200, {"status": "ok"}),

@@ -32,7 +32,7 @@ log = logging.getLogger("kvmesh.cachenode")
 @dataclass(frozen=True)
 class NodeSettings:
     memory: int
-    """KV capacity in bytes; stored plus in-flight blocks never exceed it."""
+    """KV capacity in bytes: stored blocks never exceed it (blocks in flight are ``max_inflight``)."""
     host: str = "0.0.0.0"
     """Address of the HTTP side port (the UCX listener binds every interface)."""
     port: int = 8000
@@ -45,9 +45,15 @@ class NodeSettings:
     """ZeroMQ PUB port for KV events (replay on +1); 0 publishes nothing."""
     kv_events_host: str = ""
     payload_timeout: float = 60.0
-    auth: Credentials = field(default_factory=Credentials)
-    """--auth-token-file: the internal token the HTTP side port's /kv/* routes need."""
     """How long a put's payloads may take to arrive before its reservations are given back."""
+    message_timeout: float = 30.0
+    """How long a request's rest (or a connection's hello) may take once it started."""
+    max_inflight: int | None = None
+    """Bytes of offered blocks not yet arrived, all connections together (None: ``memory``)."""
+    max_put: int | None = None
+    """Bytes one put may reserve (one connection's share; None: no limit but ``max_inflight``)."""
+    auth: Credentials = field(default_factory=Credentials)
+    """--auth-token-file: the internal token the UCX port and the HTTP side port's /kv/* routes need."""
 
 
 class CacheNode:
@@ -55,11 +61,12 @@ class CacheNode:
         self.settings = settings
         self.node_id = settings.node_id or socket.gethostname()
         self.events = KVEventLog(self.node_id)
-        self.store = BlockStore(settings.memory, on_event=self.events.publish)
-        self.handler = CacheNodeHandler(self.store, payload_timeout=settings.payload_timeout,
+        self.store = BlockStore(settings.memory, on_event=self.events.publish, max_inflight_bytes=settings.max_inflight)
+        self.handler = CacheNodeHandler(self.store, payload_timeout=settings.payload_timeout, max_put=settings.max_put,
                                         extra_stats=lambda: {"node_id": self.node_id,
                                                              "connections": self.server.open_connections})
-        self.server = KVServer(self.handler, settings.ucx_port, token=settings.auth.internal_token)
+        self.server = KVServer(self.handler, settings.ucx_port, token=settings.auth.internal_token,
+                               message_timeout=settings.message_timeout)
         self.publisher = (KVEventPublisher(settings.kv_events_host or settings.host, settings.kv_events_port,
                                            token=settings.auth.internal_token())
                           if settings.kv_events_port else None)
@@ -93,7 +100,8 @@ class CacheNode:
         s = self.settings
         self.http = SidePort(s.host, s.port, self.store, self.events, self.info, lambda: self.ready,
                              lambda: self.server.open_connections, auth=s.auth,
-                             auth_failures=lambda: self.server.auth_failures)
+                             closed=lambda: {"auth_failures": self.server.auth_failures,
+                                             "timeouts": self.server.timeouts})
         self.http.start()
         await self.server.start()
         if self.publisher is not None:

@@ -26,10 +26,13 @@ def _error(e: HeaderMismatch) -> protocol.ErrorReply:
 class CacheNodeHandler:
     """One per node; shared by every connection (the store does the locking)."""
 
-    def __init__(self, store: BlockStore, *, payload_timeout: float = 60.0,
+    def __init__(self, store: BlockStore, *, payload_timeout: float = 60.0, max_put: int | None = None,
                  extra_stats: Callable[[], dict[str, Any]] | None = None) -> None:
+        """``max_put``: bytes one put may reserve; a put runs to its end before the connection's next
+        request, so this is also what one connection can hold in flight."""
         self.store = store
         self.payload_timeout = payload_timeout
+        self.max_put = max_put
         self._extra_stats = extra_stats
 
     async def handle(self, msg: protocol.Message, ch: Channel) -> None:
@@ -55,7 +58,7 @@ class CacheNodeHandler:
 
     async def _put(self, batch: BlockBatch, ch: Channel) -> None:
         try:
-            verdicts = self.store.offer(batch)
+            verdicts = self.store.offer(batch, self.max_put)
         except HeaderMismatch as e:
             await ch.send(_error(e))
             return

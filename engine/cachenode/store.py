@@ -1,15 +1,17 @@
 """The cache node's block store: blocks by hash in RAM, LRU, inside a byte budget. No I/O here.
 
-A put is two-phase so the budget also covers bytes still on the wire: ``offer`` decides per block
-(wanted, or already held/in flight, or refused) and reserves room for the wanted ones, evicting
-least recently used blocks first; ``commit`` stores a received block in its reservation;
-``abandon`` gives a reservation back when the transfer failed. ``put`` does both for callers
-that already hold the bytes.
+A put is two-phase so that bytes still on the wire are bounded too: ``offer`` decides per block
+(wanted, or already held/in flight, or refused) and reserves in-flight room for the wanted ones,
+evicting nothing; ``commit`` stores a block that arrived, evicting least recently used blocks
+only then and only as many as its bytes need; ``abandon`` gives a reservation back when the
+transfer failed. ``put`` does both for callers that already hold the bytes. So an offer, however
+large, that never sends its bytes costs the cache nothing: it only waits out its timeout.
 
 Invariants (``check_integrity`` asserts them):
 
-* ``used_bytes + reserved_bytes <= capacity_bytes`` at every point; a block larger than the whole
-  budget is refused (``TOO_LARGE``), never stored;
+* ``used_bytes <= capacity_bytes`` and ``reserved_bytes <= max_inflight_bytes`` at every point
+  (memory held: at most their sum); a block larger than the whole budget is refused
+  (``TOO_LARGE``), never stored; one offer reserves at most its ``max_bytes``;
 * a hash is held at most once, and is either stored or pending (in flight), never both;
 * the LRU order is: least recently stored/read first; ``lookup`` does not refresh recency
   (a probe is not a use), ``get`` does;
@@ -77,10 +79,16 @@ class StoredBlock:
 
 
 class BlockStore:
-    def __init__(self, capacity_bytes: int, on_event: KVEventHandler | None = None) -> None:
+    def __init__(self, capacity_bytes: int, on_event: KVEventHandler | None = None,
+                 max_inflight_bytes: int | None = None) -> None:
+        """``max_inflight_bytes``: room for blocks offered and not yet arrived, all connections
+        together (default: ``capacity_bytes``)."""
         if capacity_bytes < 1:
             raise ValueError(f"cache capacity must be >= 1 byte, got {capacity_bytes}")
+        if max_inflight_bytes is not None and max_inflight_bytes < 1:
+            raise ValueError(f"the in-flight limit must be >= 1 byte, got {max_inflight_bytes}")
         self.capacity_bytes = capacity_bytes
+        self.max_inflight_bytes = capacity_bytes if max_inflight_bytes is None else max_inflight_bytes
         self._on_event = on_event
         self._lock = threading.Lock()
         self._blocks: OrderedDict[BlockHash, StoredBlock] = OrderedDict()  # oldest use first
@@ -90,8 +98,11 @@ class BlockStore:
         self.stats = StoreStats()
 
     # ---- two-phase put ------------------------------------------------------------------------
-    def offer(self, batch: BlockBatch) -> list[str | None]:
+    def offer(self, batch: BlockBatch, max_bytes: int | None = None) -> list[str | None]:
         """Per block: ``WANTED`` (room reserved; send it) or ``EXISTS``/``TOO_LARGE``/``NO_ROOM``.
+
+        ``NO_ROOM``: the in-flight room (``max_inflight_bytes``) or this offer's own limit
+        ``max_bytes`` (one connection's share) is taken. Nothing is evicted here.
 
         Raises ``HeaderMismatch`` (nothing reserved) if the batch is malformed or names a hash held
         under another layout.
@@ -108,6 +119,8 @@ class BlockStore:
                 self.stats.rejected_headers += 1
                 raise
             size = batch.layout.nbytes
+            room = self.max_inflight_bytes if max_bytes is None else min(self.max_inflight_bytes, max_bytes)
+            offered = 0
             out: list[str | None] = []
             for h in batch.hashes:
                 if h in self._blocks or h in self._pending:
@@ -116,10 +129,11 @@ class BlockStore:
                 elif size > self.capacity_bytes:
                     self.stats.put_refused += 1
                     out.append(TOO_LARGE)
-                elif not self._make_room(size):
+                elif self._reserved + size > self.max_inflight_bytes or offered + size > room:
                     self.stats.put_refused += 1
                     out.append(NO_ROOM)
                 else:
+                    offered += size
                     self._reserved += size
                     self._pending[h] = batch.layout
                     out.append(WANTED)
@@ -136,6 +150,7 @@ class BlockStore:
                 self.stats.rejected_headers += 1
                 check_layout(layout, header.layout)
                 raise HeaderMismatch("buffers", f"{layout.nbytes} bytes", f"{data.nbytes} bytes")
+            self._make_room(data.nbytes)
             self._blocks[header.block_hash] = StoredBlock(header, data)
             self._used += data.nbytes
             self.stats.puts += 1
@@ -218,23 +233,21 @@ class BlockStore:
             reserved = sum(layout.nbytes for layout in self._pending.values())
             assert used == self._used, f"used bytes {self._used} != stored {used}"
             assert reserved == self._reserved, f"reserved bytes {self._reserved} != pending {reserved}"
-            assert self._used + self._reserved <= self.capacity_bytes, "over budget"
+            assert self._used <= self.capacity_bytes, "over budget"
+            assert self._reserved <= self.max_inflight_bytes, "over the in-flight limit"
             assert not (self._blocks.keys() & self._pending.keys()), "a hash both stored and pending"
 
     # ---- internals ------------------------------------------------------------------------------
-    def _make_room(self, size: int) -> bool:
-        """Evict LRU blocks until ``size`` more bytes fit; False if in-flight bytes alone prevent it."""
-        if self._reserved + size > self.capacity_bytes:
-            return False
+    def _make_room(self, size: int) -> None:
+        """Evict LRU blocks until ``size`` more stored bytes fit (``size <= capacity_bytes``)."""
         evicted: list[BlockHash] = []
-        while self._used + self._reserved + size > self.capacity_bytes:
+        while self._used + size > self.capacity_bytes:
             h, blk = self._blocks.popitem(last=False)
             self._used -= blk.data.nbytes
             evicted.append(h)
         if evicted:
             self.stats.evictions += len(evicted)
             self._emit(BlockRemoved(evicted, TIER_REMOTE))
-        return True
 
     def _emit(self, event: BlockStored | BlockRemoved) -> None:
         if self._on_event is not None:

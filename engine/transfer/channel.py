@@ -23,7 +23,7 @@ from ucxx.exceptions import UCXError
 
 from . import protocol
 from .posted import post
-from .errors import PeerGone, ProtocolError
+from .errors import PeerGone, ProtocolError, TransferTimeout
 
 MAX_CONTROL_BYTES = 64 << 20
 """A control message larger than this is a protocol error (headers of ~100k blocks fit easily)."""
@@ -58,7 +58,9 @@ class Channel:
         await post(ep.send(np.array([body.nbytes], np.uint64)))
         await post(ep.send(body))
 
-    async def recv(self) -> protocol.Message:
+    async def recv(self, rest_timeout: float | None = None) -> protocol.Message:
+        """The next control message. ``rest_timeout``: how long its body may take once its length
+        arrived (a peer that sends half a message and stalls gets ``TransferTimeout``)."""
         size = np.empty(1, np.uint64)
         await self._io(post(self._live().recv(size)), "waiting for a control message")
         n = int(size[0])
@@ -66,7 +68,13 @@ class Channel:
             self.broken = True
             raise ProtocolError(f"{self.peer} announced a {n}-byte control message (limit {MAX_CONTROL_BYTES})")
         body = np.empty(n, np.uint8)
-        await self._io(post(self._live().recv(body)), "receiving a control message")
+        try:
+            await asyncio.wait_for(self._io(post(self._live().recv(body)), "receiving a control message"),
+                                   rest_timeout)
+        except TimeoutError:
+            self.broken = True
+            raise TransferTimeout(f"{self.peer} sent {n} bytes' length and not the message within "
+                                  f"{rest_timeout:.0f}s") from None
         self.received += 1
         try:
             return protocol.decode(body.data)

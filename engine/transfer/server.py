@@ -20,7 +20,7 @@ import ucxx
 from . import auth, protocol
 from .auth import TokenSource, no_token
 from .channel import Channel
-from .errors import AuthFailed, PeerGone, ProtocolError, TransferError
+from .errors import AuthFailed, PeerGone, ProtocolError, TransferError, TransferTimeout
 
 log = logging.getLogger("kvmesh.transfer")
 
@@ -36,10 +36,17 @@ class KVServer:
     """Listens on ``port`` (0: any free port; read ``.port`` after ``start``). Use on one event loop."""
 
     def __init__(self, handler: RequestHandler, port: int = 0, *, idle_timeout: float | None = None,
-                 token: TokenSource = no_token, auth_timeout: float = 10.0) -> None:
+                 token: TokenSource = no_token, auth_timeout: float = 10.0,
+                 message_timeout: float | None = 30.0) -> None:
         """``token``: the deployment's internal token; when it gives one, a connection must prove
-        it (transfer/auth.py) within ``auth_timeout`` seconds before any request is read."""
+        it (transfer/auth.py) within ``auth_timeout`` seconds before any request is read.
+        ``message_timeout``: a new connection's Hello, and the rest of any request once its length
+        arrived, must come within it, or the connection is closed (counted in ``timeouts``): a
+        peer cannot pin a connection with half a message. ``idle_timeout`` bounds the wait between
+        requests (None: a connection may idle, as pooled clients' do)."""
         self.handler = handler
+        self.message_timeout = message_timeout
+        self.timeouts = 0
         self.token = token
         self.auth_timeout = auth_timeout
         self.auth_failures = 0
@@ -73,7 +80,7 @@ class KVServer:
         self._channels.add(ch)
         self.connections_total += 1
         try:
-            hello = await ch.recv()
+            hello = await asyncio.wait_for(ch.recv(self.message_timeout), self.message_timeout)
             if not isinstance(hello, protocol.Hello):
                 raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
             token = self.token()
@@ -85,14 +92,14 @@ class KVServer:
             if token:
                 await self._check_proof(ch, token, mine, hello.nonce)
             while True:
-                if self.idle_timeout is None:
-                    msg = await ch.recv()
-                else:
-                    msg = await asyncio.wait_for(ch.recv(), self.idle_timeout)
+                msg = await asyncio.wait_for(ch.recv(self.message_timeout), self.idle_timeout)
                 await self.handler.handle(msg, ch)
         except PeerGone:
             pass  # the client closed or died: the normal end of a connection
-        except (TransferError, TimeoutError) as e:
+        except (TransferTimeout, TimeoutError) as e:
+            self.timeouts += 1
+            log.warning("KV transfer: dropping a stalled connection: %s", e or "no message in time")
+        except TransferError as e:
             log.warning("KV transfer: dropping a connection: %s", e)
         except asyncio.CancelledError:
             pass

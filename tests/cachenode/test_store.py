@@ -136,3 +136,33 @@ def test_events_follow_the_contents():
 
 def test_chain_helper_is_the_engine_hash():
     assert chain(LAY, 2) == [b.block_hash for b in blocks(LAY, 2)[0]]
+
+
+def test_an_offer_evicts_nothing_and_a_commit_only_what_its_bytes_need():
+    """An offer sized to the whole cache that never sends a byte costs the cache nothing."""
+    s = store_of(4)
+    old, _ = blocks(LAY, 4, seed=1)
+    put_all(s, old)
+    new, _ = blocks(LAY, 4, seed=2)
+    assert s.offer(BlockBatch.of([b.header for b in new])) == [WANTED] * 4
+    assert s.lru_order() == [b.block_hash for b in old] and s.stats.evictions == 0
+    assert s.reserved_bytes == 4 * BLK and s.used_bytes == 4 * BLK  # in flight: memory, not the cache
+    assert s.commit(new[0].header, new[0].data) == STORED
+    assert s.lru_order() == [b.block_hash for b in old[1:]] + [new[0].block_hash]  # the LRU one, alone
+    for b in new[1:]:
+        s.abandon(b.block_hash)  # the sender died: the rest of the old blocks stay
+    assert s.lookup([b.block_hash for b in old[1:]]) == 3
+    s.check_integrity()
+
+
+def test_in_flight_bytes_are_limited_in_all_and_per_offer():
+    s = store_of(8, max_inflight_bytes=3 * BLK)
+    blks, _ = blocks(LAY, 5)
+    batch = BlockBatch.of([b.header for b in blks])
+    assert s.offer(batch, max_bytes=2 * BLK) == [WANTED, WANTED, NO_ROOM, NO_ROOM, NO_ROOM]  # one connection's share
+    rest = BlockBatch.of([b.header for b in blks[2:]])
+    assert s.offer(rest) == [WANTED, NO_ROOM, NO_ROOM]  # the global limit: 3 blocks in flight
+    assert s.reserved_bytes == 3 * BLK and s.stats.put_refused == 5
+    s.check_integrity()
+    with pytest.raises(ValueError, match="in-flight limit"):
+        BlockStore(BLK, max_inflight_bytes=0)

@@ -136,3 +136,49 @@ def test_proofs_bind_both_nonces_and_the_direction():
     assert not auth.valid(TOKEN, auth.CLIENT, b, a, p)  # no swapped nonces
     assert not auth.valid("other", auth.CLIENT, a, b, p)
     assert not auth.valid(TOKEN, auth.CLIENT, b"", b, auth.proof(TOKEN, auth.CLIENT, b"", b))  # nonces required
+
+
+@pytest.mark.parametrize("stall", ["silent", "half a hello", "half a request"])
+def test_a_peer_that_stalls_mid_message_is_closed_and_costs_nothing(loop, stall):
+    """Connections that never finish a message (no Hello, a length and no body, a request cut
+    after its length) are closed after message_timeout, counted, and reserve nothing; a client
+    with the token is served meanwhile and after."""
+    import asyncio
+    import time
+
+    import numpy as np
+    import ucxx
+
+    store = BlockStore(1 << 26)
+    server = KVServer(CacheNodeHandler(store), token=lambda: TOKEN, message_timeout=0.5)
+    loop.call(server.start(), 10)
+
+    async def stall_on_server() -> None:
+        ep = await ucxx.create_endpoint("127.0.0.1", server.port)
+        ch = Channel(ep, "stalling")
+        if stall == "half a hello":
+            await ep.send(np.array([64], np.uint64))  # a length; the body never comes
+        elif stall == "half a request":
+            mine = auth.nonce()
+            await ch.send(protocol.Hello(protocol.PROTOCOL_VERSION, "client", mine))
+            hello = await ch.expect(protocol.Hello)
+            await ch.send(protocol.Auth(auth.proof(TOKEN, auth.CLIENT, hello.nonce, mine)))
+            await ch.expect(protocol.AuthOk)
+            await ep.send(np.array([128], np.uint64))
+        await asyncio.sleep(3)  # hold the connection open, sending nothing more
+        ch.abort()
+
+    stalled = loop.submit(stall_on_server())
+    c = _client(loop, server, TOKEN)
+    try:
+        blks, _ = blocks(layout("float32"), 2)
+        assert c.put(blks).result(10) == [protocol.STORED] * 2  # the stalled peer holds nobody up
+        deadline = time.monotonic() + 10
+        while server.timeouts == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.timeouts == 1 and store.reserved_bytes == 0
+        assert c.lookup([b.block_hash for b in blks]).result(10) == 2
+        stalled.result(10)
+    finally:
+        c.close()
+        loop.call(server.close(), 10)
