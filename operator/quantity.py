@@ -46,7 +46,11 @@ def parse_quantity(value: str | int | float) -> Fraction:
     if isinstance(value, int):
         return Fraction(value)
     if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise QuantityError(f"{value!r} is not a resource quantity")
         return Fraction(str(value))
+    if not isinstance(value, str):
+        raise QuantityError(f"{value!r} is not a resource quantity (expected e.g. '512Mi', '2Gi', '500m', '4')")
     match = _RE.match(value.strip())
     if not match:
         raise QuantityError(

@@ -4,12 +4,15 @@
 defaults the CRD schema declares (crd.py builds the schema from the constants
 here, so the two cannot drift), so rendering works the same on an object the
 API server defaulted and on a plain dict in a unit test. It does not repeat the
-CRD's validation; it raises `SpecError` only for what would make rendering
-impossible (a missing model name, a malformed quantity).
+CRD's validation of ranges and enums; it raises `SpecError` for what would make rendering
+impossible or the result invalid (a missing model name, a malformed quantity, a value of the
+wrong type, a negative count), so a spec the apiserver did not validate (an old CRD, a plain
+dict) is refused with a message naming the field, never a crash.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -163,6 +166,60 @@ def _obj(raw: Any, where: str) -> Mapping[str, Any]:
     return raw
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _int(raw: Any, where: str, default: int | None, minimum: int = 0) -> int | None:
+    """An integer field (None or absent: ``default``) in ``[minimum, 2**31 - 1]``."""
+    if raw is None:
+        return default
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) or raw != int(raw):
+        raise SpecError(f"{where} must be an integer, got {raw!r}")
+    if not minimum <= raw <= _INT32_MAX:
+        raise SpecError(f"{where} must be in [{minimum}, {_INT32_MAX}], got {int(raw)}")
+    return int(raw)
+
+
+def _number(raw: Any, where: str, default: float | None, low: float, high: float,
+            keep_int: bool = False) -> float | None:
+    """A number field (None or absent: ``default``) in ``(low, high]``; ``keep_int`` leaves an
+    integer as it came (milliseconds print as written)."""
+    if raw is None:
+        return default
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
+        raise SpecError(f"{where} must be a number, got {raw!r}")
+    if not low < raw <= high:
+        raise SpecError(f"{where} must be in ({low:g}, {high:g}], got {raw!r}")
+    return raw if keep_int and isinstance(raw, int) else float(raw)
+
+
+def _text(raw: Any, where: str, default: str | None) -> str | None:
+    """A string field (None or absent: ``default``); numbers are taken as their text."""
+    if raw is None:
+        return default
+    if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
+        raise SpecError(f"{where} must be a string, got {type(raw).__name__}")
+    return str(raw)
+
+
+def _labels(raw: Any, where: str) -> dict[str, str]:
+    out = {}
+    for k, v in _obj(raw, where).items():
+        text = _text(v, f"{where}.{k}", None)
+        if text is None:
+            raise SpecError(f"{where}.{k} must be a string, got null")
+        out[str(k)] = text
+    return out
+
+
+def _flag(raw: Any, where: str) -> bool:
+    if raw is None:
+        return False
+    if not isinstance(raw, bool):
+        raise SpecError(f"{where} must be true or false, got {raw!r}")
+    return raw
+
+
 def _quantity(raw: Any, where: str) -> str | None:
     if raw is None:
         return None
@@ -174,16 +231,19 @@ def _quantity(raw: Any, where: str) -> str | None:
 
 
 def _tolerations(raw: Any, where: str) -> tuple[Toleration, ...]:
+    if raw is not None and not isinstance(raw, list):
+        raise SpecError(f"{where} must be a list, got {type(raw).__name__}")
     out = []
     for i, item in enumerate(raw or ()):
         t = _obj(item, f"{where}[{i}]")
+        at = f"{where}[{i}]"
         out.append(
             Toleration(
-                key=t.get("key"),
-                operator=t.get("operator"),
-                value=t.get("value"),
-                effect=t.get("effect"),
-                toleration_seconds=t.get("tolerationSeconds"),
+                key=_text(t.get("key"), f"{at}.key", None),
+                operator=_text(t.get("operator"), f"{at}.operator", None),
+                value=_text(t.get("value"), f"{at}.value", None),
+                effect=_text(t.get("effect"), f"{at}.effect", None),
+                toleration_seconds=_int(t.get("tolerationSeconds"), f"{at}.tolerationSeconds", None),
             )
         )
     return tuple(out)
@@ -196,43 +256,43 @@ def _component(name: str, raw: Any) -> Component:
     gpu_pool = name in ("prefill", "decode")
     return Component(
         name=name,
-        replicas=int(c.get("replicas", DEFAULT_REPLICAS)),
-        min_replicas=c.get("minReplicas"),
-        max_replicas=c.get("maxReplicas"),
+        replicas=_int(c.get("replicas"), f"{where}.replicas", DEFAULT_REPLICAS),
+        min_replicas=_int(c.get("minReplicas"), f"{where}.minReplicas", None),
+        max_replicas=_int(c.get("maxReplicas"), f"{where}.maxReplicas", None),
         resources=Resources(
-            gpus=int(r.get("gpus", DEFAULT_GPUS)) if gpu_pool else 0,
+            gpus=_int(r.get("gpus"), f"{where}.resources.gpus", DEFAULT_GPUS) if gpu_pool else 0,
             cpu=_quantity(r.get("cpu"), f"{where}.resources.cpu"),
             memory=_quantity(r.get("memory"), f"{where}.resources.memory"),
         ),
-        node_selector=dict(_obj(c.get("nodeSelector"), f"{where}.nodeSelector")),
+        node_selector=_labels(c.get("nodeSelector"), f"{where}.nodeSelector"),
         tolerations=_tolerations(c.get("tolerations"), f"{where}.tolerations"),
-        termination_grace_period_seconds=int(
-            c.get("terminationGracePeriodSeconds", DEFAULT_GRACE_S[name])
+        termination_grace_period_seconds=_int(
+            c.get("terminationGracePeriodSeconds"), f"{where}.terminationGracePeriodSeconds", DEFAULT_GRACE_S[name]
         ),
         memory=_quantity(c.get("memory", DEFAULT_CACHE_MEMORY), f"{where}.memory")
         if name == "cache"
         else None,
-        policy=str(c.get("policy", DEFAULT_ROUTER_POLICY)) if name == "router" else None,
+        policy=_text(c.get("policy"), f"{where}.policy", DEFAULT_ROUTER_POLICY) if name == "router" else None,
     )
 
 
 def _model(raw: Any) -> Model:
     m = _obj(raw, "spec.model")
-    name = m.get("name")
+    name = _text(m.get("name"), "spec.model.name", None)
     if not name:
         raise SpecError("spec.model.name is required (e.g. smollm2-135m-instruct)")
     src = _obj(m.get("source"), "spec.model.source")
     volume = None
     if src.get("volume") is not None:
         v = _obj(src["volume"], "spec.model.source.volume")
+        at = "spec.model.source.volume"
         volume = VolumeSource(
-            claim_name=_obj(v.get("persistentVolumeClaim"), "persistentVolumeClaim").get(
-                "claimName"
-            ),
-            host_path=_obj(v.get("hostPath"), "hostPath").get("path"),
-            path=str(v.get("path", "")).strip("/"),
+            claim_name=_text(_obj(v.get("persistentVolumeClaim"), f"{at}.persistentVolumeClaim").get("claimName"),
+                             f"{at}.persistentVolumeClaim.claimName", None),
+            host_path=_text(_obj(v.get("hostPath"), f"{at}.hostPath").get("path"), f"{at}.hostPath.path", None),
+            path=(_text(v.get("path"), f"{at}.path", "") or "").strip("/"),
         )
-    source_type = str(src.get("type", "Embedded"))
+    source_type = _text(src.get("type"), "spec.model.source.type", "Embedded")
     if source_type == "Volume" and (
         volume is None or (volume.claim_name is None) == (volume.host_path is None)
     ):
@@ -241,16 +301,16 @@ def _model(raw: Any) -> Model:
         )
     if source_type == "URI" and not src.get("uri"):
         raise SpecError("spec.model.source.uri is required when source.type is URI")
-    dtype = str(m.get("dtype", DEFAULT_DTYPE))
+    dtype = _text(m.get("dtype"), "spec.model.dtype", DEFAULT_DTYPE)
     if dtype not in DTYPES:
         # The CRD's enum rejects it first; checked here too because the engine would exit at start.
         raise SpecError(f"spec.model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return Model(
         name=str(name),
         source_type=source_type,
-        uri=src.get("uri"),
+        uri=_text(src.get("uri"), "spec.model.source.uri", None),
         volume=volume,
-        format=str(m.get("format", "Auto")),
+        format=_text(m.get("format"), "spec.model.format", "Auto"),
         dtype=dtype,
     )
 
@@ -262,30 +322,28 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceSpec:
     auto = _obj(spec.get("autoscaling"), "spec.autoscaling")
     return InferenceSpec(
         model=_model(spec.get("model")),
-        image=str(spec.get("image", DEFAULT_IMAGE)),
-        image_pull_policy=str(spec.get("imagePullPolicy", DEFAULT_PULL_POLICY)),
+        image=_text(spec.get("image"), "spec.image", DEFAULT_IMAGE),
+        image_pull_policy=_text(spec.get("imagePullPolicy"), "spec.imagePullPolicy", DEFAULT_PULL_POLICY),
         prefill=_component("prefill", spec.get("prefill")),
         decode=_component("decode", spec.get("decode")),
         cache=_component("cache", spec.get("cache")),
         router=_component("router", spec.get("router")),
         slo=Slo(
-            ttft_ms=slo.get("ttftMs"),
-            tpot_ms=slo.get("tpotMs"),
-            percentile=float(slo.get("percentile", DEFAULT_PERCENTILE)),
+            ttft_ms=_number(slo.get("ttftMs"), "spec.slo.ttftMs", None, 0.0, math.inf, keep_int=True),
+            tpot_ms=_number(slo.get("tpotMs"), "spec.slo.tpotMs", None, 0.0, math.inf, keep_int=True),
+            percentile=_number(slo.get("percentile"), "spec.slo.percentile", DEFAULT_PERCENTILE, 0.0, 100.0),
         ),
         autoscaling=Autoscaling(
-            enabled=bool(auto.get("enabled", False)),
-            kv_occupancy_target=float(
-                auto.get("kvOccupancyTarget", DEFAULT_KV_OCCUPANCY_TARGET)
-            ),
-            scale_up_stabilization_seconds=int(
-                auto.get("scaleUpStabilizationSeconds", DEFAULT_SCALE_UP_WINDOW_S)
-            ),
-            scale_down_stabilization_seconds=int(
-                auto.get("scaleDownStabilizationSeconds", DEFAULT_SCALE_DOWN_WINDOW_S)
-            ),
-            metrics_window_seconds=int(
-                auto.get("metricsWindowSeconds", DEFAULT_METRICS_WINDOW_S)
-            ),
+            enabled=_flag(auto.get("enabled"), "spec.autoscaling.enabled"),
+            kv_occupancy_target=_number(auto.get("kvOccupancyTarget"), "spec.autoscaling.kvOccupancyTarget",
+                                        DEFAULT_KV_OCCUPANCY_TARGET, 0.0, 1.0),
+            scale_up_stabilization_seconds=_int(auto.get("scaleUpStabilizationSeconds"),
+                                                "spec.autoscaling.scaleUpStabilizationSeconds",
+                                                DEFAULT_SCALE_UP_WINDOW_S),
+            scale_down_stabilization_seconds=_int(auto.get("scaleDownStabilizationSeconds"),
+                                                  "spec.autoscaling.scaleDownStabilizationSeconds",
+                                                  DEFAULT_SCALE_DOWN_WINDOW_S),
+            metrics_window_seconds=_int(auto.get("metricsWindowSeconds"), "spec.autoscaling.metricsWindowSeconds",
+                                        DEFAULT_METRICS_WINDOW_S, minimum=1),
         ),
     )

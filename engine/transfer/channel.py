@@ -58,15 +58,16 @@ class Channel:
         await post(ep.send(np.array([body.nbytes], np.uint64)))
         await post(ep.send(body))
 
-    async def recv(self, rest_timeout: float | None = None) -> protocol.Message:
+    async def recv(self, rest_timeout: float | None = None, max_bytes: int = MAX_CONTROL_BYTES) -> protocol.Message:
         """The next control message. ``rest_timeout``: how long its body may take once its length
-        arrived (a peer that sends half a message and stalls gets ``TransferTimeout``)."""
+        arrived (a peer that sends half a message and stalls gets ``TransferTimeout``);
+        ``max_bytes``: the largest body accepted (a server allows little before authentication)."""
         size = np.empty(1, np.uint64)
         await self._io(post(self._live().recv(size)), "waiting for a control message")
         n = int(size[0])
-        if not 0 < n <= MAX_CONTROL_BYTES:
+        if not 0 < n <= max_bytes:
             self.broken = True
-            raise ProtocolError(f"{self.peer} announced a {n}-byte control message (limit {MAX_CONTROL_BYTES})")
+            raise ProtocolError(f"{self.peer} announced a {n}-byte control message (limit {max_bytes})")
         body = np.empty(n, np.uint8)
         try:
             await asyncio.wait_for(self._io(post(self._live().recv(body)), "receiving a control message"),

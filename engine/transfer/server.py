@@ -24,6 +24,9 @@ from .errors import AuthFailed, PeerGone, ProtocolError, TransferError, Transfer
 
 log = logging.getLogger("kvmesh.transfer")
 
+HANDSHAKE_BYTES = 4096
+"""The largest Hello or Auth a server reads: nobody unauthenticated makes it allocate more."""
+
 
 class RequestHandler(Protocol):
     async def handle(self, msg: protocol.Message, ch: Channel) -> None:
@@ -80,7 +83,7 @@ class KVServer:
         self._channels.add(ch)
         self.connections_total += 1
         try:
-            hello = await asyncio.wait_for(ch.recv(self.message_timeout), self.message_timeout)
+            hello = await asyncio.wait_for(ch.recv(self.message_timeout, HANDSHAKE_BYTES), self.message_timeout)
             if not isinstance(hello, protocol.Hello):
                 raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
             token = self.token()
@@ -121,7 +124,7 @@ class KVServer:
         """The client's Auth must prove the token over both nonces; anything else closes the
         connection (answered ``unauthorized``, counted in ``auth_failures``)."""
         try:
-            msg = await asyncio.wait_for(ch.recv(), self.auth_timeout)
+            msg = await asyncio.wait_for(ch.recv(self.auth_timeout, HANDSHAKE_BYTES), self.auth_timeout)
         except TimeoutError:
             msg = None
         if isinstance(msg, protocol.Auth) and auth.valid(token, auth.CLIENT, mine, theirs, msg.proof):
