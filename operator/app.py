@@ -138,7 +138,8 @@ def _run(reconciler: Reconciler, namespace: str | None, name: str | None) -> Non
 
 # The children the operator watches (group, version, plural), and the labels every one carries.
 CHILD_RESOURCES: tuple[tuple[str, str, str], ...] = (
-    ("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"))
+    ("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"),
+    ("networking.k8s.io", "v1", "networkpolicies"))
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, OWNER_LABEL: kopf.PRESENT}
 
 

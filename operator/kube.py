@@ -57,7 +57,7 @@ def _reason(exc: ApiException) -> str:
 
 
 def apply(manifest: Mapping[str, Any]) -> None:
-    """Server-side apply one namespaced child (ConfigMap, Service or Deployment)."""
+    """Server-side apply one namespaced child (ConfigMap, Service, Deployment or NetworkPolicy)."""
     kind = manifest["kind"]
     meta = manifest["metadata"]
     kwargs = dict(field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
@@ -73,6 +73,10 @@ def apply(manifest: Mapping[str, Any]) -> None:
             )
         elif kind == "ConfigMap":
             client.CoreV1Api(api).patch_namespaced_config_map(
+                meta["name"], meta["namespace"], manifest, **kwargs
+            )
+        elif kind == "NetworkPolicy":
+            client.NetworkingV1Api(api).patch_namespaced_network_policy(
                 meta["name"], meta["namespace"], manifest, **kwargs
             )
         else:

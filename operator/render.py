@@ -1,6 +1,6 @@
 """InferenceDeployment -> child manifests (pure functions, no I/O).
 
-One CR renders to exactly eight objects, always the same set whatever the
+One CR renders to exactly nine objects, always the same set whatever the
 spec (a pool scaled to zero keeps its Deployment at 0 replicas), so the
 operator never has to decide what to delete: the garbage collector removes
 children through their ownerReferences when the CR goes.
@@ -10,6 +10,13 @@ children through their ownerReferences when the CR goes.
     <name>-decode     Deployment + headless Service   (`kvmesh serve --role decode|both`)
     <name>-cache      Deployment + headless Service   (`kvmesh cache-node`)
     <name>-router     Deployment + ClusterIP Service  (`kvmesh router`)
+    <name>-internal   NetworkPolicy: engine and cache pods take traffic only from the
+                      deployment's own pods, the operator and labelled scrapers
+
+Every pod meets the "restricted" Pod Security Standard (non-root, no privilege escalation, no
+capabilities, RuntimeDefault seccomp, no service-account token; a read-only root filesystem for
+the router and cache nodes, whose processes write nothing; engines write their compiled CPU
+kernels beside the model).
 
 Invariants: rendering is deterministic (same input, byte-identical output),
 so server-side apply of the result is a no-op when nothing changed; a pool's
@@ -58,6 +65,13 @@ CACHE_OVERHEAD = "1Gi"
 # abort of leftovers (5 s for their final chunks) and the server's shutdown.
 DRAIN_MARGIN_S = 10
 CONFIG_HASH_ANNOTATION = "serving.kvmesh.io/config-hash"
+# The image's non-root user (images/Dockerfile); the restricted standard wants it stated.
+RUN_AS = 1000
+# Pods in a namespace with this label may reach engine and cache pods (Prometheus scraping
+# /metrics, which shares the HTTP port with the internal endpoints).
+SCRAPER_NAMESPACE_LABEL = "serving.kvmesh.io/metrics-scraper"
+# The operator's pods as the chart labels them (charts/kvmesh/templates/_helpers.tpl).
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/component": "operator"}
 OWNER_LABEL = "serving.kvmesh.io/inference-deployment"
 MANAGED_BY = "kvmesh-operator"
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
@@ -334,6 +348,10 @@ def render_deployment(
     ]
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                                     {"name": "auth", "mountPath": AUTH_DIR, "readOnly": True}]
+    if not engine:
+        # A read-only root filesystem; /tmp stays writable for whatever a library wants there.
+        volumes.append({"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}})
+        mounts.append({"name": "tmp", "mountPath": "/tmp"})
     if engine:
         # torch's inter-process tensors live in /dev/shm, which defaults to 64Mi.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
@@ -363,9 +381,21 @@ def render_deployment(
         "startupProbe": _probe("/health", 10, 90 if engine else 30),
         "livenessProbe": _probe("/health", 10, 3),
         "readinessProbe": _probe("/ready", 5, 3),
-        "securityContext": {"allowPrivilegeEscalation": False},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": not engine,
+            "runAsNonRoot": True,
+        },
     }
     pod_spec: dict[str, Any] = {
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
         "volumes": volumes,
         "terminationGracePeriodSeconds": c.termination_grace_period_seconds,
@@ -433,6 +463,35 @@ def render_service(spec: s.InferenceSpec, owner: Owner, component: str) -> dict[
     }
 
 
+def network_policy_name(owner: Owner) -> str:
+    return child_name(owner, "internal")
+
+
+def render_network_policy(owner: Owner) -> dict[str, Any]:
+    """Engine and cache pods accept connections only from the deployment's own pods (the router,
+    engines and cache nodes among themselves), the operator (drains, scale decisions) and pods in
+    namespaces labelled ``SCRAPER_NAMESPACE_LABEL=true``. The router stays open: it is the entry
+    point. Enforcement needs a CNI that implements NetworkPolicy; elsewhere it is inert."""
+    internal = [c for c in s.COMPONENTS if c != "router"]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(owner, network_policy_name(owner), None),
+        "spec": {
+            "podSelector": {
+                "matchLabels": {OWNER_LABEL: owner.name},
+                "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": internal}],
+            },
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [
+                {"podSelector": {"matchLabels": {OWNER_LABEL: owner.name}}},
+                {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}},
+                {"namespaceSelector": {"matchLabels": {SCRAPER_NAMESPACE_LABEL: "true"}}},
+            ]}],
+        },
+    }
+
+
 def render_configmap(owner: Owner, config: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
@@ -452,4 +511,5 @@ def render_all(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
     for component in s.COMPONENTS:
         out.append(render_deployment(spec, owner, component, config, replicas[component]))
         out.append(render_service(spec, owner, component))
+    out.append(render_network_policy(owner))
     return out

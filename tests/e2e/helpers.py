@@ -117,9 +117,9 @@ class Cluster:
     def custom(self) -> client.CustomObjectsApi:
         return client.CustomObjectsApi(self.api)
 
-    def create_namespace(self, name: str) -> str:
+    def create_namespace(self, name: str, labels: dict[str, str] | None = None) -> str:
         try:
-            self.core.create_namespace({"metadata": {"name": name}})
+            self.core.create_namespace({"metadata": {"name": name, "labels": dict(labels or {})}})
         except ApiException as exc:
             if exc.status != 409:
                 raise

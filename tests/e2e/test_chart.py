@@ -57,7 +57,10 @@ def test_template_defaults(cluster, helm_home):
                for r in rule["resources"] for v in rule["verbs"]}
     assert not any(v in ("delete", "deletecollection", "update", "*") for g, r, v in granted
                    if r != "inferencedeployments/finalizers"), granted
-    assert not any(r in ("secrets", "*") for _, r, _ in granted), granted
+    assert not any(r == "*" for _, r, _ in granted), granted
+    # Secrets: create each deployment's token once and read it for drains; never list, patch or delete.
+    assert {v for _, r, v in granted if r == "secrets"} == {"get", "create"}, granted
+    assert {v for _, r, v in granted if r == "networkpolicies"} == {"get", "list", "watch", "create", "patch"}
     # Pods: read, and patch for the autoscaler's deletion-cost mark; never create or delete.
     assert {v for _, r, v in granted if r == "pods"} == {"get", "list", "patch"}, granted
 
@@ -181,7 +184,12 @@ def test_operator_runs_under_its_service_account(cluster, installed, crd_install
     ("patch", "inferencedeployments", "serving.kvmesh.io", "status", True),
     ("delete", "deployments", "apps", "", False),
     ("update", "deployments", "apps", "", False),
-    ("get", "secrets", "", "", False),
+    ("get", "secrets", "", "", True),
+    ("list", "secrets", "", "", False),
+    ("patch", "secrets", "", "", False),
+    ("delete", "secrets", "", "", False),
+    ("patch", "networkpolicies", "networking.k8s.io", "", True),
+    ("delete", "networkpolicies", "networking.k8s.io", "", False),
     ("create", "pods", "", "", False),
     ("delete", "pods", "", "", False),
     ("patch", "pods", "", "", True),

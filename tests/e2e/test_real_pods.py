@@ -44,6 +44,22 @@ def test_engine_runs_the_dtype_of_the_cr(cluster, deployment):
     assert args[args.index("--dtype") + 1] == "float32"
 
 
+def test_the_namespace_admits_only_restricted_pods(cluster, deployment):
+    """The pods above started under ``pod-security.kubernetes.io/enforce=restricted``: the apiserver
+    refuses a pod that falls short of it (here: one left at the defaults, root allowed)."""
+    from kubernetes.client.rest import ApiException
+
+    labels = cluster.core.read_namespace(deployment).metadata.labels
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    with pytest.raises(ApiException) as err:
+        cluster.core.create_namespaced_pod(deployment, {
+            "metadata": {"name": "not-restricted"},
+            "spec": {"containers": [{"name": "c", "image": "kvmesh/kvmesh:0.1.0"}]}}, dry_run="All")
+    assert err.value.status == 403 and "violates PodSecurity" in err.value.body
+    for component in ("decode", "router"):
+        assert ready_pods(cluster, deployment, NAME, component)
+
+
 def test_chat_through_the_router_service_matches_transformers_fp32(router_url, hf_reference):
     for q in QUESTIONS:
         chat_matches_reference(router_url, hf_reference, q)

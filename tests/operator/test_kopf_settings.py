@@ -12,7 +12,8 @@ from kvmesh.operator.reconcile import Reconciler
 from tests.support.crs import make_cr
 
 KIND_TO_RESOURCE = {"Deployment": ("apps", "v1", "deployments"), "Service": ("", "v1", "services"),
-                    "ConfigMap": ("", "v1", "configmaps")}
+                    "ConfigMap": ("", "v1", "configmaps"),
+                    "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies")}
 
 
 def matches(selector: str, labels: dict[str, str]) -> bool:

@@ -48,7 +48,7 @@ def test_pass_applies_every_child_and_writes_status_once():
     api = FakeApi(make_cr())
     rec = Reconciler(api.ops(), now=lambda: "2026-01-01T00:00:00Z")
     rec.reconcile("serving", "llm")
-    assert len(api.applied) == 9
+    assert len(api.applied) == 10
     assert len(api.status_writes) == 1
     rec.reconcile("serving", "llm")  # nothing changed: no second status write
     assert len(api.status_writes) == 1
@@ -74,7 +74,7 @@ def test_failed_apply_is_reported_in_status_and_raised():
         Reconciler(api.ops()).reconcile("serving", "llm")
     degraded = [c for c in api.status_writes[-1]["conditions"] if c["type"] == "Degraded"][0]
     assert degraded["status"] == "True" and "Service llm-router: forbidden" in degraded["message"]
-    assert len(api.applied) == 5  # the other children were still applied
+    assert len(api.applied) == 6  # the other children were still applied
 
 
 def test_deleted_object_is_left_to_the_garbage_collector():
@@ -127,4 +127,4 @@ def test_resync_counts_failures_and_continues():
     )
     failed = Reconciler(ops).resync([bad.obj, good.obj])
     assert failed == 1
-    assert len(good.applied) == 9
+    assert len(good.applied) == 10

@@ -31,7 +31,7 @@ def argv(objs, component):
 def test_renders_the_full_child_set_with_owner_references(cr):
     objs = r.render_all(cr)
     keys = set(by_key(objs))
-    assert keys == {("ConfigMap", "llm-config")} | {
+    assert keys == {("ConfigMap", "llm-config"), ("NetworkPolicy", "llm-internal")} | {
         (kind, f"llm-{c}") for c in COMPONENTS for kind in ("Deployment", "Service")}
     for o in objs:
         (ref,) = o["metadata"]["ownerReferences"]
@@ -335,3 +335,40 @@ def test_every_pod_mounts_the_deployments_token_and_checks_it(cr):
         assert line[line.index("--auth-token-file") + 1] == r.AUTH_TOKEN_FILE
     secret = r.render_auth_secret(r.Owner.from_object(cr), "tok")
     assert secret["stringData"] == {"token": "tok"} and secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+def test_every_pod_meets_the_restricted_pod_security_standard(cr):
+    """The checks of the "restricted" profile (kubernetes.io/docs/concepts/security/pod-security-standards),
+    applied to every rendered pod; the real apiserver enforces them in the real-node e2e."""
+    allowed_volumes = {"configMap", "secret", "emptyDir", "persistentVolumeClaim", "projected", "downwardAPI",
+                       "csi", "ephemeral"}
+    for component in COMPONENTS:
+        pod = by_key(r.render_all(cr))[("Deployment", f"llm-{component}")]["spec"]["template"]["spec"]
+        psc = pod["securityContext"]
+        assert psc["runAsNonRoot"] is True and psc["runAsUser"] != 0
+        assert psc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False
+        assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
+        for v in pod["volumes"]:
+            assert set(v) - {"name"} <= allowed_volumes, v
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+            assert not sc.get("privileged") and not any("hostPort" in p for p in c["ports"])
+            # Engines write compiled kernels beside the model; the router and cache nodes write nothing.
+            assert sc["readOnlyRootFilesystem"] is (component in ("router", "cache")), component
+
+
+def test_the_network_policy_closes_engine_and_cache_ports_to_outsiders(cr):
+    pol = by_key(r.render_all(cr))[("NetworkPolicy", "llm-internal")]["spec"]
+    sel = pol["podSelector"]
+    assert sel["matchLabels"] == {r.OWNER_LABEL: "llm"}
+    assert sel["matchExpressions"] == [{"key": "app.kubernetes.io/component", "operator": "In",
+                                        "values": [c for c in COMPONENTS if c != "router"]}]
+    assert pol["policyTypes"] == ["Ingress"]
+    (rule,) = pol["ingress"]
+    assert "ports" not in rule  # every port, for the peers named; nothing for anyone else
+    own, operator, scrapers = rule["from"]
+    assert own == {"podSelector": {"matchLabels": {r.OWNER_LABEL: "llm"}}}
+    assert operator["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    assert scrapers == {"namespaceSelector": {"matchLabels": {r.SCRAPER_NAMESPACE_LABEL: "true"}}}

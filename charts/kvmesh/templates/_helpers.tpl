@@ -55,6 +55,9 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [services, configmaps]
   verbs: [get, list, watch, create, patch]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch]
 # Each deployment's internal token: created once (never patched), read to authenticate drains.
 - apiGroups: [""]
   resources: [secrets]
