@@ -148,10 +148,9 @@ def plan(opts: UpOptions, cores: int) -> list[ProcSpec]:
     prefill = fa.Pool(urls=tuple(urls["prefill"])) if urls["prefill"] else None
     router = fa.RouterLine(decode=fa.Pool(urls=tuple(urls["decode"] or urls["both"])), prefill=prefill,
                            policy=opts.policy, model=opts.model, host=opts.host, port=opts.port,
-                           auth_token_file=opts.auth_token_file)
-    keys = tuple(a for f in opts.api_key_files for a in ("--api-key-file", f))
-    keys += ("--isolate-tenants",) if opts.isolate_tenants else ()
-    specs.append(ProcSpec("router", (*fa.router_args(router), *keys), f"http://{opts.host}:{opts.port}"))
+                           auth_token_file=opts.auth_token_file, api_key_files=opts.api_key_files,
+                           isolate_tenants=opts.isolate_tenants)
+    specs.append(ProcSpec("router", tuple(fa.router_args(router)), f"http://{opts.host}:{opts.port}"))
     return specs
 
 

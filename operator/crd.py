@@ -275,6 +275,29 @@ def _autoscaling() -> dict[str, Any]:
     )
 
 
+def _auth() -> dict[str, Any]:
+    return obj(
+        "Client authentication at the router. The deployment's internal token (Secret <name>-auth) "
+        "is created by the operator and needs no field.",
+        {
+            "apiKeysSecret": string("A Secret in this namespace holding the API keys clients must send as "
+                                    "'Authorization: Bearer <key>', one per line; without it the OpenAI "
+                                    "endpoints are open to whoever reaches the router."),
+            "apiKeysKey": string("The Secret's key that holds the keys.", s.DEFAULT_API_KEYS_KEY, minLength=1),
+            "isolateTenants": {"type": "boolean", "default": False,
+                               "description": "A prefix cache per API key: requests share cached KV only with "
+                                              "requests made with the same key."},
+        },
+        default={},
+        **{
+            "x-kubernetes-validations": [
+                rule("!self.isolateTenants || has(self.apiKeysSecret)",
+                     "auth.isolateTenants needs auth.apiKeysSecret"),
+            ]
+        },
+    )
+
+
 def _spec_schema() -> dict[str, Any]:
     props = {
         "model": _model(),
@@ -288,6 +311,7 @@ def _spec_schema() -> dict[str, Any]:
         "router": _component("router", "The OpenAI-compatible entry point (CPU)."),
         "slo": _slo(),
         "autoscaling": _autoscaling(),
+        "auth": _auth(),
     }
     return obj(
         "Desired state of one model's serving pools.",

@@ -57,6 +57,9 @@ CONFIG_FILE = "kvmesh.yaml"
 AUTH_DIR = "/var/run/kvmesh/auth"
 AUTH_KEY = "token"
 AUTH_TOKEN_FILE = f"{AUTH_DIR}/{AUTH_KEY}"
+# The user's client keys (spec.auth.apiKeysSecret), mounted into router pods only.
+API_KEYS_DIR = "/var/run/kvmesh/api-keys"
+API_KEYS_FILE = f"{API_KEYS_DIR}/keys"
 MODEL_DIR = "/models"
 GPU_RESOURCE = "nvidia.com/gpu"
 # Host memory a cache node needs beyond its KV capacity (process, buffers).
@@ -257,9 +260,11 @@ def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[
                                                                **common))]
     if component == "router":
         prefill = None if spec.colocated else fa.Pool(service=_endpoint(owner, "prefill"))
+        keys = (API_KEYS_FILE,) if spec.auth.api_keys_secret else ()
         return ["kvmesh", *fa.router_args(fa.RouterLine(
             decode=fa.Pool(service=_endpoint(owner, "decode")), prefill=prefill, policy=str(spec.router.policy),
-            model=spec.model.name, cache_node=cache, **common))]
+            model=spec.model.name, cache_node=cache, api_key_files=keys, isolate_tenants=spec.auth.isolate_tenants,
+            **common))]
     raise ValueError(f"unknown component {component!r}; expected one of {s.COMPONENTS}")
 
 
@@ -348,6 +353,10 @@ def render_deployment(
     ]
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                                     {"name": "auth", "mountPath": AUTH_DIR, "readOnly": True}]
+    if component == "router" and spec.auth.api_keys_secret:
+        volumes.append({"name": "api-keys", "secret": {
+            "secretName": spec.auth.api_keys_secret, "items": [{"key": spec.auth.api_keys_key, "path": "keys"}]}})
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
     if not engine:
         # A read-only root filesystem; /tmp stays writable for whatever a library wants there.
         volumes.append({"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}})

@@ -49,6 +49,7 @@ DEFAULT_KV_OCCUPANCY_TARGET = 0.8
 DEFAULT_SCALE_UP_WINDOW_S = 30
 DEFAULT_SCALE_DOWN_WINDOW_S = 300
 DEFAULT_METRICS_WINDOW_S = 60
+DEFAULT_API_KEYS_KEY = "keys"
 # Long enough for an engine to finish the requests it has admitted after the
 # router stops sending it new ones (SIGTERM starts the drain).
 DEFAULT_GRACE_S = {"prefill": 120, "decode": 300, "cache": 30, "router": 60}
@@ -138,6 +139,18 @@ class Autoscaling:
 
 
 @dataclass(frozen=True)
+class ClientAuth:
+    """Who may call the router's OpenAI endpoints (the internal token is the operator's own)."""
+
+    api_keys_secret: str | None = None
+    """A Secret in the deployment's namespace holding the client keys, one per line."""
+    api_keys_key: str = DEFAULT_API_KEYS_KEY
+    """The Secret's key that holds them."""
+    isolate_tenants: bool = False
+    """A prefix cache per key (``kvmesh router --isolate-tenants``)."""
+
+
+@dataclass(frozen=True)
 class InferenceSpec:
     model: Model
     image: str
@@ -148,6 +161,7 @@ class InferenceSpec:
     router: Component
     slo: Slo
     autoscaling: Autoscaling
+    auth: ClientAuth = field(default_factory=ClientAuth)
 
     @property
     def colocated(self) -> bool:
@@ -269,7 +283,7 @@ def _component(name: str, raw: Any) -> Component:
         termination_grace_period_seconds=_int(
             c.get("terminationGracePeriodSeconds"), f"{where}.terminationGracePeriodSeconds", DEFAULT_GRACE_S[name]
         ),
-        memory=_quantity(c.get("memory", DEFAULT_CACHE_MEMORY), f"{where}.memory")
+        memory=_quantity(_text(c.get("memory"), f"{where}.memory", None) or DEFAULT_CACHE_MEMORY, f"{where}.memory")
         if name == "cache"
         else None,
         policy=_text(c.get("policy"), f"{where}.policy", DEFAULT_ROUTER_POLICY) if name == "router" else None,
@@ -315,6 +329,16 @@ def _model(raw: Any) -> Model:
     )
 
 
+def _client_auth(raw: Any) -> ClientAuth:
+    a = _obj(raw, "spec.auth")
+    secret = _text(a.get("apiKeysSecret"), "spec.auth.apiKeysSecret", None) or None
+    isolate = _flag(a.get("isolateTenants"), "spec.auth.isolateTenants")
+    if isolate and secret is None:
+        raise SpecError("spec.auth.isolateTenants needs spec.auth.apiKeysSecret: tenants are told apart by their key")
+    return ClientAuth(secret, _text(a.get("apiKeysKey"), "spec.auth.apiKeysKey", DEFAULT_API_KEYS_KEY)
+                      or DEFAULT_API_KEYS_KEY, isolate)
+
+
 def parse_spec(spec: Mapping[str, Any]) -> InferenceSpec:
     """Typed, defaulted view of `.spec` (raises SpecError naming the bad field)."""
     spec = _obj(spec, "spec")
@@ -346,4 +370,5 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceSpec:
             metrics_window_seconds=_int(auto.get("metricsWindowSeconds"), "spec.autoscaling.metricsWindowSeconds",
                                         DEFAULT_METRICS_WINDOW_S, minimum=1),
         ),
+        auth=_client_auth(spec.get("auth")),
     )

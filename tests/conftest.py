@@ -12,3 +12,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Fuzz tests (hypothesis) run the same examples on every run, so a CI result depends on the code
+# alone; KVMESH_HYPOTHESIS=explore draws new ones on every run, to hunt for bugs.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("repeatable", derandomize=True, print_blob=True)
+_hypothesis_settings.register_profile("explore", derandomize=False)
+_hypothesis_settings.load_profile("explore" if os.environ.get("KVMESH_HYPOTHESIS") == "explore" else "repeatable")

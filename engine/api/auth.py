@@ -67,19 +67,31 @@ def _read_secret(path: Path) -> str:
     return text
 
 
+def _read_keys(path: Path) -> frozenset[str]:
+    """Every non-empty, non-comment line of an API key file."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise AuthConfigError(f"cannot read the API key file {path}: {e.strerror or e}") from None
+    return frozenset(ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#"))
+
+
 @dataclass
-class TokenFile:
-    """A secret in a file, re-read when the file's identity or size changes (a Secret volume
-    swaps a symlink on rotation). A file that vanishes or empties later keeps the last token."""
+class _WatchedFile:
+    """What a file holds, re-read when the file's identity or size changes (a Secret volume swaps
+    a symlink on rotation). A file that vanishes, or fails to read, later keeps the last value."""
 
     path: Path
-    _token: str = field(default="", repr=False)
+    _value: Any = field(default=None, repr=False)
     _stamp: tuple[int, int, int] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def _read(self, path: Path) -> Any:
+        raise NotImplementedError
+
     def __post_init__(self) -> None:
         self.path = Path(self.path)
-        self._token = _read_secret(self.path)
+        self._value = self._read(self.path)  # unreadable at start: an AuthConfigError, before serving
         self._stamp = self._stat()
 
     def _stat(self) -> tuple[int, int, int] | None:
@@ -89,28 +101,45 @@ class TokenFile:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    @property
-    def token(self) -> str:
+    def _current(self) -> Any:
         stamp = self._stat()
         if stamp is not None and stamp != self._stamp:
             with self._lock:
                 try:
-                    self._token = _read_secret(self.path)
+                    self._value = self._read(self.path)
                 except AuthConfigError:
-                    pass  # mid-rotation: keep serving with the token we have
+                    pass  # mid-rotation: keep serving with what we have
                 self._stamp = stamp
-        return self._token
+        return self._value
+
+
+class TokenFile(_WatchedFile):
+    """The internal token in a file (``--auth-token-file``); an empty file is refused at start."""
+
+    def _read(self, path: Path) -> str:
+        return _read_secret(path)
+
+    @property
+    def token(self) -> str:
+        return self._current()
+
+
+class KeyFile(_WatchedFile):
+    """Client keys in a file, one per line (``--api-key-file``); a rotated Secret is re-read."""
+
+    def _read(self, path: Path) -> frozenset[str]:
+        return _read_keys(path)
+
+    @property
+    def keys(self) -> frozenset[str]:
+        return self._current()
 
 
 def read_api_keys(keys: list[str] | tuple[str, ...] = (), key_files: list[str] | tuple[str, ...] = ()) -> frozenset[str]:
     """``--api-key`` values plus every non-empty, non-comment line of each ``--api-key-file``."""
     out = {k.strip() for k in keys if k.strip()}
     for f in key_files:
-        try:
-            lines = Path(f).read_text().splitlines()
-        except OSError as e:
-            raise AuthConfigError(f"cannot read the API key file {f}: {e.strerror or e}") from None
-        out.update(ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#"))
+        out |= _read_keys(Path(f))
     return frozenset(out)
 
 
@@ -141,18 +170,27 @@ class Credentials:
 
     token: TokenFile | None = None
     api_keys: frozenset[str] = frozenset()
+    """``--api-key`` values (fixed)."""
     isolate_tenants: bool = False
+    key_files: tuple[KeyFile, ...] = ()
+    """``--api-key-file`` files, re-read when they change."""
 
     def __post_init__(self) -> None:
-        if self.isolate_tenants and not self.api_keys:
+        if self.isolate_tenants and not (self.api_keys or self.key_files):
             raise AuthConfigError("--isolate-tenants needs client keys (--api-key or --api-key-file): "
                                   "tenants are told apart by the key they send")
 
     @classmethod
     def from_options(cls, token_file: str | None = None, api_keys: list[str] | tuple[str, ...] = (),
                      api_key_files: list[str] | tuple[str, ...] = (), isolate_tenants: bool = False) -> Credentials:
-        return cls(TokenFile(Path(token_file)) if token_file else None, read_api_keys(api_keys, api_key_files),
-                   isolate_tenants)
+        return cls(TokenFile(Path(token_file)) if token_file else None, read_api_keys(api_keys),
+                   isolate_tenants, tuple(KeyFile(Path(f)) for f in api_key_files))
+
+    def client_keys(self) -> frozenset[str]:
+        """Every key a client may send now."""
+        if not self.key_files:
+            return self.api_keys
+        return self.api_keys.union(*(f.keys for f in self.key_files))
 
     def cache_salt(self, authorization: str | bytes | None, cache_salt: str | None) -> str | None:
         """The salt a request with this ``Authorization`` and body ``cache_salt`` runs under."""
@@ -165,7 +203,7 @@ class Credentials:
 
     @property
     def enabled(self) -> bool:
-        return self.token is not None or bool(self.api_keys)
+        return self.token is not None or bool(self.api_keys) or bool(self.key_files)
 
     def internal_token(self) -> str | None:
         return self.token.token if self.token is not None else None
@@ -179,7 +217,7 @@ class Credentials:
             return False
         c = credential.encode()
         # Every key is compared, so the time taken says nothing about which one matched.
-        return bool(sum(hmac.compare_digest(c, k.encode()) for k in self.api_keys))
+        return bool(sum(hmac.compare_digest(c, k.encode()) for k in self.client_keys()))
 
     def check(self, access: str, authorization: str | bytes | None) -> APIError | None:
         """None when a request carrying ``authorization`` may have ``access``; else the error."""
@@ -195,7 +233,7 @@ class Credentials:
             if self.is_client(cred):
                 return forbidden("an API key does not grant access to internal or admin endpoints")
             return unauthorized("the internal token is not valid")
-        if not self.api_keys or self.is_client(cred) or self.is_internal(cred):
+        if not (self.api_keys or self.key_files) or self.is_client(cred) or self.is_internal(cred):
             return None
         if cred is None:
             return unauthorized("this server needs an API key: send Authorization: Bearer <key>")

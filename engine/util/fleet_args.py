@@ -57,6 +57,8 @@ class RouterLine:
     cache_node: str | None = None
     config: str | None = None
     auth_token_file: str | None = None
+    api_key_files: tuple[str, ...] = ()
+    isolate_tenants: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,9 @@ def router_args(r: RouterLine) -> list[str]:
             *(_pool(r.prefill, "--prefill-engines", "--prefill-service") if r.prefill else []),
             *_pool(r.decode, "--engines", "--decode-service"), *_opt("--cache-node", r.cache_node),
             "--host", r.host, "--port", str(r.port), *_opt("--config", r.config),
-            *_opt("--auth-token-file", r.auth_token_file)]
+            *_opt("--auth-token-file", r.auth_token_file),
+            *(a for f in r.api_key_files for a in ("--api-key-file", f)),
+            *(["--isolate-tenants"] if r.isolate_tenants else [])]
 
 
 def cache_node_args(c: CacheNodeLine) -> list[str]:

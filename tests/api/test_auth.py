@@ -141,3 +141,20 @@ def test_the_router_rewrites_only_the_salt_of_a_json_object_body():
     for bad in (b"not json", b"[1, 2]", b""):
         assert with_cache_salt(bad, lambda own: "tenant:x") == bad  # the engine answers it with a 4xx
     assert with_cache_salt(body, lambda own: own) is body  # nothing to change: not re-encoded
+
+
+def test_a_rotated_key_file_is_re_read(tmp_path):
+    """A Kubernetes Secret's keys change under a running router: the new key works at once, the
+    old one stops working; a file that vanishes mid-rotation keeps the last keys."""
+    keys = tmp_path / "keys"
+    keys.write_text("# tenants\nkey-one\n")
+    creds = Credentials.from_options(None, (), [str(keys)])
+    assert creds.check(CLIENT, "Bearer key-one") is None
+    keys.write_text("key-two\nkey-three\n")
+    assert creds.check(CLIENT, "Bearer key-one").status == 401
+    assert creds.check(CLIENT, "Bearer key-three") is None
+    keys.unlink()
+    assert creds.check(CLIENT, "Bearer key-two") is None
+    empty = tmp_path / "none"
+    empty.write_text("# no keys yet\n")
+    assert Credentials.from_options(None, (), [str(empty)]).check(CLIENT, None).status == 401  # closed, not open

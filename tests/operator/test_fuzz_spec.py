@@ -31,7 +31,8 @@ FIELDS = [
     ("slo", "ttftMs"), ("slo", "tpotMs"), ("slo", "percentile"), ("autoscaling",), ("autoscaling", "enabled"),
     ("autoscaling", "kvOccupancyTarget"), ("autoscaling", "scaleUpStabilizationSeconds"),
     ("autoscaling", "scaleDownStabilizationSeconds"), ("autoscaling", "metricsWindowSeconds"),
-    ("router", "policy"), ("cache", "memory"),
+    ("router", "policy"), ("cache", "memory"), ("auth",), ("auth", "apiKeysSecret"), ("auth", "apiKeysKey"),
+    ("auth", "isolateTenants"),
 ] + [(c, f) for c in ("prefill", "decode", "cache", "router")
      for f in ("replicas", "resources", "nodeSelector", "tolerations", "terminationGracePeriodSeconds",
                "minReplicas", "maxReplicas")] + [

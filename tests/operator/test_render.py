@@ -6,9 +6,9 @@ import yaml
 
 from kvmesh.engine.server.cli import add_serve_arguments
 from kvmesh.operator import render as r
-from kvmesh.operator.spec import COMPONENTS
+from kvmesh.operator.spec import COMPONENTS, SpecError
 
-from tests.support.crs import make_cr, mount_auth_secret
+from tests.support.crs import MINIMAL_SPEC, make_cr, mount_auth_secret
 
 
 def by_key(objs):
@@ -372,3 +372,18 @@ def test_the_network_policy_closes_engine_and_cache_ports_to_outsiders(cr):
     assert own == {"podSelector": {"matchLabels": {r.OWNER_LABEL: "llm"}}}
     assert operator["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
     assert scrapers == {"namespaceSelector": {"matchLabels": {r.SCRAPER_NAMESPACE_LABEL: "true"}}}
+
+
+def test_the_client_keys_secret_is_mounted_into_the_router_alone():
+    cr = make_cr(dict(MINIMAL_SPEC, auth={"apiKeysSecret": "team-keys", "apiKeysKey": "list", "isolateTenants": True}))
+    objs = by_key(r.render_all(cr))
+    router = objs[("Deployment", "llm-router")]["spec"]["template"]["spec"]
+    assert {"name": "api-keys", "secret": {"secretName": "team-keys", "items": [{"key": "list", "path": "keys"}]}} \
+        in router["volumes"]
+    args = router["containers"][0]["args"]
+    assert args[args.index("--api-key-file") + 1] == r.API_KEYS_FILE and "--isolate-tenants" in args
+    for component in ("prefill", "decode", "cache"):
+        pod = objs[("Deployment", f"llm-{component}")]["spec"]["template"]["spec"]
+        assert all(v["name"] != "api-keys" for v in pod["volumes"])  # engines trust the router's token
+    with pytest.raises(SpecError, match="isolateTenants needs spec.auth.apiKeysSecret"):
+        r.render_all(make_cr(dict(MINIMAL_SPEC, auth={"isolateTenants": True})))

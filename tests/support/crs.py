@@ -28,10 +28,11 @@ def make_cr(spec=None, name="llm", namespace="serving", uid="uid-1", generation=
 
 
 def mount_auth_secret(argv: list[str], directory: Path) -> list[str]:
-    """``argv`` with the auth Secret's mount path replaced by a file in ``directory`` holding a
-    token, as the kubelet would mount it (the CLI reads the file when it parses)."""
-    from kvmesh.operator.render import AUTH_TOKEN_FILE
+    """``argv`` with the auth Secret's (and the client keys Secret's) mount paths replaced by files
+    in ``directory``, as the kubelet would mount them (the CLI reads the files when it parses)."""
+    from kvmesh.operator.render import API_KEYS_FILE, AUTH_TOKEN_FILE
 
-    token = directory / "auth-token"
+    token, keys = directory / "auth-token", directory / "api-keys"
     token.write_text("a-test-token\n")
-    return [str(token) if a == AUTH_TOKEN_FILE else a for a in argv]
+    keys.write_text("a-client-key\n")
+    return [str(token) if a == AUTH_TOKEN_FILE else str(keys) if a == API_KEYS_FILE else a for a in argv]

@@ -45,6 +45,8 @@ SPECS = {
     **{f"policy-{p}": _spec(router__policy=p) for p in POLICIES},
     **{f"dtype-{d}": _spec(model__dtype=d) for d in s.DTYPES},
     "colocated-float32": _spec(model__dtype="float32", prefill__replicas=0, cache__replicas=0),
+    "client-keys": _spec(auth__apiKeysSecret="llm-keys"),
+    "client-keys-isolated": _spec(auth__apiKeysSecret="llm-keys", auth__isolateTenants=True),
 }
 OWNER = r.Owner("llm", "serving", "uid-1")
 PARSER = build_parser()
@@ -83,6 +85,9 @@ def test_rendered_command_line_parses(name, raw, component, tmp_path):
         assert settings.disaggregated == (not spec.colocated)
         prefill = [f"{x.host}:{x.port}" for x in settings.prefill_services]
         assert prefill == ([] if spec.colocated else [f"{r.service_host(OWNER, 'prefill')}:8000"])
+        # The client keys Secret, when the CR names one, is what the router checks.
+        assert settings.auth.client_keys() == ({"a-client-key"} if spec.auth.api_keys_secret else set())
+        assert settings.auth.isolate_tenants == spec.auth.isolate_tenants
 
 
 def test_router_policies_match_the_crd():
