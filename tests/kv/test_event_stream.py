@@ -213,14 +213,20 @@ def test_replay_socket_answers():
         assert pub.topic == topic_for("engine-r")
 
 
+def _subscriber(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A raw SUB socket on every KV event topic (5 s receive timeout)."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(endpoint)
+    return sub
+
+
 def test_pub_messages_are_topic_seq_payload():
     log = KVEventLog("engine-p")
     with KVEventPublisher("127.0.0.1", free_port_pair()) as pub:
         ctx = zmq.Context()
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
-        sub.setsockopt(zmq.RCVTIMEO, 5000)
-        sub.connect(pub.endpoint)
+        sub = _subscriber(ctx, pub.endpoint)
         try:
             pub.start(log)
             time.sleep(0.3)  # PUB drops what it sends before the subscription arrives
@@ -328,13 +334,10 @@ def _first_stored(token_ids: bool) -> BlockStored:
     log = KVEventLog("engine-t")
     with KVEventPublisher("127.0.0.1", free_port_pair(), token_ids=token_ids) as pub:
         ctx = zmq.Context()
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
-        sub.setsockopt(zmq.RCVTIMEO, 5000)
-        sub.connect(pub.endpoint)
+        sub = _subscriber(ctx, pub.endpoint)
         try:
             pub.start(log)
-            time.sleep(0.3)
+            time.sleep(0.3)  # PUB drops what it sends before the subscription arrives
             log.publish(BlockStored([b"\x01" * 32], None, [7, 8, 9, 10], 4))
             _, _, payload = sub.recv_multipart()
             ((seq, replayed),) = _replay_batches(pub.replay_endpoint, [seq_bytes(1)])
