@@ -222,3 +222,47 @@ def test_namespace_scoped_install_grants_nothing_cluster_wide(cluster, helm_home
     args = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"][
         "containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
+
+
+def _can_i_list(cluster, user: str, namespace: str) -> set[tuple[str, str]]:
+    """``kubectl auth can-i --list`` as ``user`` (impersonated by the admin): (resource, verb) pairs,
+    resource names and non-resource URLs left out (discovery rules every account has)."""
+    out = cluster.kubectl("auth", "can-i", "--list", f"--as={user}", "--as-group=system:serviceaccounts",
+                          f"--as-group=system:serviceaccounts:{namespace}", "-n", namespace).stdout
+    pairs = set()
+    for line in out.splitlines()[1:]:
+        if not line.strip() or line[0].isspace():
+            continue  # a non-resource URL row
+        resource = line.split()[0]
+        groups = [g.split() for g in line[len(resource):].replace("]", "[").split("[")[1::2]]
+        urls, names, verbs = groups if len(groups) == 3 else ([], [], groups[-1] if groups else [])
+        if names:
+            continue  # a rule on named objects only
+        pairs |= {(resource, v) for v in verbs}
+    return pairs
+
+
+# What the chart grants the operator's account in a watched namespace, as the apiserver reports it
+# (RBAC plus the rules every authenticated account has). A change here is a change of privilege:
+# review it, then update docs/operator.md "Permissions".
+OPERATOR_CAN = {
+    *{("inferencedeployments.serving.kvmesh.io", v) for v in ("get", "list", "watch")},
+    ("inferencedeployments.serving.kvmesh.io/status", "patch"),
+    ("inferencedeployments.serving.kvmesh.io/finalizers", "update"),
+    *{(r, v) for r in ("deployments.apps", "services", "configmaps", "networkpolicies.networking.k8s.io")
+      for v in ("get", "list", "watch", "create", "patch")},
+    ("secrets", "get"), ("secrets", "create"), ("events", "create"),
+    ("pods", "get"), ("pods", "list"), ("pods", "patch"),
+}
+EVERYONE_CAN = {("selfsubjectreviews.authentication.k8s.io", "create"),
+                ("selfsubjectaccessreviews.authorization.k8s.io", "create"),
+                ("selfsubjectrulesreviews.authorization.k8s.io", "create")}
+
+
+def test_the_operator_account_can_do_exactly_what_is_checked_in(cluster, installed, namespace):
+    assert _can_i_list(cluster, SA, namespace) == OPERATOR_CAN | EVERYONE_CAN
+
+
+def test_an_engine_pods_account_can_do_nothing(cluster, namespace):
+    """Engine, router and cache pods run as their namespace's default account (and mount no token)."""
+    assert _can_i_list(cluster, f"system:serviceaccount:{namespace}:default", namespace) == EVERYONE_CAN

@@ -75,6 +75,8 @@ def test_minimal_valid_spec_is_accepted_and_defaulted(cluster, crd_installed, na
     ("bad-dtype", edited(model__dtype="fp8"), "Unsupported value: \"fp8\""),
     ("occupancy", edited(autoscaling={"kvOccupancyTarget": 1.5}),
      "autoscaling.kvOccupancyTarget must be in (0, 1]"),
+    ("isolation-without-keys", edited(auth={"isolateTenants": True}),
+     "auth.isolateTenants needs auth.apiKeysSecret"),
 ])
 def test_invalid_specs_are_rejected_with_their_message(cluster, crd_installed, namespace, name,
                                                        spec, message):
