@@ -154,7 +154,7 @@ def forbidden(message: str) -> APIError:
 
 def tenant_salt(api_key: str, cache_salt: str | None = None) -> str:
     """The cache salt of a request made with ``api_key`` under ``--isolate-tenants``: the key's
-    identity (a hash: the key itself never enters anything that is hashed or published), then the
+    identity (a digest: the key itself never reaches a block hash, a log or an event), then the
     request's own salt, so a tenant can still split its own traffic but never reach another's."""
     ident = hashlib.sha256(b"kvmesh-tenant-v1\0" + api_key.encode()).hexdigest()[:32]
     return f"tenant:{ident}" + (f"/{cache_salt}" if cache_salt else "")

@@ -258,8 +258,8 @@ class KVEventPublisher:
             if len(frames) not in (2, 3) or (len(frames) == 3 and frames[1]):
                 raise WireFormatError(f"a replay request has one seq frame, got {len(frames) - 1} frames")
             start = seq_from_bytes(frames[-1])
-            # seq 0 names no record: "from the start"
-            # one record past the cap tells an answer cut short from one that is complete
+            # seq 0 names no record ("from the start"); one record past the cap tells an answer
+            # the budget cut short from one that is complete.
             records = self.log.since(max(start, 1) - 1, limit=self.budget.limits.max_records + 1) or []
         except WireFormatError as e:
             logger.debug("bad KV replay request: %s", e)
