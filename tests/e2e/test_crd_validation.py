@@ -8,18 +8,13 @@ import json
 import pytest
 from kubernetes.client.rest import ApiException
 
+from tests.support.crs import MINIMAL_SPEC
+
 from .helpers import Cluster
 
 pytestmark = pytest.mark.e2e
 
-VALID = {
-    "model": {"name": "smollm2-135m-instruct"},
-    "prefill": {"replicas": 1},
-    "decode": {"replicas": 2},
-    "cache": {"replicas": 1},
-    "router": {"replicas": 1},
-    "slo": {"ttftMs": 500, "tpotMs": 50},
-}
+VALID = copy.deepcopy(MINIMAL_SPEC)
 
 
 def rejected(cluster: Cluster, ns: str, name: str, spec: dict, status: int = 422) -> str:

@@ -11,13 +11,10 @@ import pytest
 import zmq
 
 from kvmesh.engine.kv.event_auth import curve_keys, secure_client
-from kvmesh.engine.kv.event_publisher import KVEventPublisher
 from kvmesh.engine.kv.event_subscriber import KVCacheMirror, KVEventSubscriber
 from kvmesh.engine.kv.event_wire import seq_bytes
-from kvmesh.engine.kv.events import KVEventLog
-from kvmesh.engine.util.localproc import free_port_pair
 
-from tests.support.kv_events import SnapshotServer, publish_random
+from tests.support.kv_events import published_log, publish_random
 from tests.support.waits import until
 
 TOKEN = "the-deployment-token"
@@ -25,14 +22,8 @@ TOKEN = "the-deployment-token"
 
 @pytest.fixture
 def stream():
-    log = KVEventLog("engine-s", capacity=10_000)
-    pub = KVEventPublisher("127.0.0.1", free_port_pair(), token=TOKEN)
-    with SnapshotServer(log) as snap:
-        pub.start(log)
-        try:
-            yield log, pub, snap
-        finally:
-            pub.close()
+    with published_log("engine-s", TOKEN) as s:
+        yield s
 
 
 def test_a_subscriber_with_the_token_follows_the_stream_and_its_replays(stream):

@@ -18,7 +18,7 @@ from kvmesh.engine.kv.replay_budget import ReplayLimits
 
 from kvmesh.engine.util.localproc import free_port_pair
 
-from tests.support.kv_events import SnapshotServer, publish_random
+from tests.support.kv_events import SnapshotServer, published_log, publish_random
 from tests.support.waits import until
 
 
@@ -45,14 +45,8 @@ async def converged(log: KVEventLog, sub: KVEventSubscriber, mirror: KVCacheMirr
 
 @pytest.fixture
 def stream():
-    log = KVEventLog("engine-a", capacity=10_000)
-    pub = KVEventPublisher("127.0.0.1", free_port_pair())
-    with SnapshotServer(log) as snap:
-        pub.start(log)
-        try:
-            yield log, pub, snap
-        finally:
-            pub.close()
+    with published_log("engine-a") as s:
+        yield s
 
 
 def test_subscriber_follows_the_stream(stream):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from kvmesh.engine.kv.event_publisher import KVEventPublisher
 from kvmesh.engine.kv.event_wire import snapshot_to_json
+from kvmesh.engine.util.localproc import free_port_pair
 from kvmesh.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventLog
 
 
@@ -46,6 +50,21 @@ class SnapshotServer:
     def __exit__(self, *exc: object) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+
+
+@contextlib.contextmanager
+def published_log(engine_id: str, token: str | None = None) -> Iterator[
+        tuple[KVEventLog, KVEventPublisher, SnapshotServer]]:
+    """A log, a real publisher streaming it on free loopback ports (CURVE with ``token``) and its
+    snapshot route: what an engine's KV events look like from outside."""
+    log = KVEventLog(engine_id, capacity=10_000)
+    pub = KVEventPublisher("127.0.0.1", free_port_pair(), token=token)
+    with SnapshotServer(log) as snap:
+        pub.start(log)
+        try:
+            yield log, pub, snap
+        finally:
+            pub.close()
 
 
 def _h(rng: random.Random) -> bytes:
