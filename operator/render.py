@@ -1,6 +1,6 @@
 """InferenceDeployment -> child manifests (pure functions, no I/O).
 
-One CR renders to exactly nine objects, always the same set whatever the
+One CR renders to exactly ten objects, always the same set whatever the
 spec (a pool scaled to zero keeps its Deployment at 0 replicas), so the
 operator never has to decide what to delete: the garbage collector removes
 children through their ownerReferences when the CR goes.
