@@ -13,6 +13,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.llm import LLM
 from kvmesh.engine.sampling import SamplingParams
 
+from tests.support.tiny_engine import hf_greedy
 from tests.support.tiny_models import make_tiny_hf_model
 
 MAX_NEW = 12
@@ -28,17 +29,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model_dir) -> list[list[int]]:
     """transformers' greedy tokens, one prompt at a time, recomputing the whole sequence each step."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            ids = list(prompt)
-            for _ in range(MAX_NEW):
-                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-            out.append(ids[len(prompt):])
-    return out
+    return hf_greedy(model_dir, PROMPTS, MAX_NEW)
 
 
 def test_prefix_hits_chunked_prefill_and_preemption_together(model_dir, reference):
