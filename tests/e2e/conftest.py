@@ -1,8 +1,8 @@
-"""Fixtures for the e2e suite: one real control plane per test session.
+"""Fixtures for the e2e suite: one real control plane for the package.
 
 By default `e2e/cluster up` starts etcd, kube-apiserver,
 kube-controller-manager, kube-scheduler and kwok (fake GPU and CPU nodes) in a
-temporary directory, and `e2e/cluster down` stops them at the end. Only with
+temporary directory, and `e2e/cluster down` stops them after the last e2e test. Only with
 $KVMESH_E2E_KUBECONFIG set (kind with a GPU node pool, say; $KUBECONFIG alone is
 ignored) the suite runs against that cluster instead and leaves it running; helm
 and kubectl then come from PATH, or from the harness's cache when PATH has none.
@@ -39,7 +39,9 @@ def _cached_bin_dirs() -> list[Path]:
     return [Path(line.split("=", 1)[1]) for line in out.split()]
 
 
-@pytest.fixture(scope="session")
+# Package scope, not session: the control plane (and the real node's kubelet and containers) stops
+# when the last e2e test ends, so it does not load the 2-core machine under the suites after it.
+@pytest.fixture(scope="package")
 def cluster(tmp_path_factory) -> Cluster:
     external = external_kubeconfig(dict(os.environ))
     if external is not None:
@@ -66,7 +68,7 @@ def cluster(tmp_path_factory) -> Cluster:
         subprocess.run([str(CLUSTER), "down", str(state)], timeout=120)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def crd_installed(cluster: Cluster) -> None:
     """The CRD from crds/, applied the way a user would, and Established."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
@@ -91,7 +93,7 @@ def namespace(cluster: Cluster, request) -> str:
     cluster.delete_namespace(name)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def real_placement(cluster: Cluster) -> dict:
     """For the tests that run the kvmesh image (test_real_pods*.py): the image built and imported
     once per session, and the placement (nodeSelector, tolerations) that puts pods on a node that
@@ -128,7 +130,7 @@ def router_url(cluster: Cluster, deployment: str, request):
         yield url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def hf_reference():
     """transformers' fp32 greedy tokens for the default model (see realpods.HFReference)."""
     from .realpods import HFReference
