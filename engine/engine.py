@@ -39,7 +39,7 @@ from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.roles import DecodeClaim, Handoff, PrefillHandoff
 from kvmesh.engine.step_commands import Abort, Add, Call, Claim, StepCommand
 from kvmesh.engine.runner import ModelRunner
-from kvmesh.engine.sampling import SamplingParams
+from kvmesh.engine.sampling import InvalidSamplingParams, SamplingParams
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.stream import RequestStream
 
@@ -172,7 +172,8 @@ class LLMEngine:
         self.model = LlamaModel(self.model_config, self.loaded.weights, self.backend, self.dtype,
                                 self.device, max_position=model_len)
         self.loaded.weights = {}  # the model holds fused copies; drop the originals
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.dtype, seed=cfg.seed)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.dtype, seed=cfg.seed,
+                                  eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         if cfg.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton":
             sizes = tuple(b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs)
             self.runner.capture_cuda_graphs(sizes, model_len)
@@ -249,7 +250,13 @@ class LLMEngine:
         PromptTooLongError. A request that passes can always be scheduled to completion.
         """
         params.validate()
-        ids = _check_token_ids(prompt_token_ids, self.model_config.vocab_size)
+        vocab = self.model_config.vocab_size
+        ids = _check_token_ids(prompt_token_ids, vocab)
+        named = params.token_ids_named()
+        if named and max(named) >= vocab:
+            bad = next(t for t in named if t >= vocab)
+            raise InvalidSamplingParams(f"token id {bad} (in stop_token_ids, logit_bias or allowed_token_ids) "
+                                        f"is outside this model's vocabulary [0, {vocab})")
         n = len(ids)
         if n + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
@@ -408,6 +415,7 @@ class LLMEngine:
     def _forget(self, req: Request, now: float) -> None:
         req.metrics.finished_time = now
         self._requests.pop(req.request_id, None)
+        self.runner.logits_processor.release(req.request_id)
         with self._lock:
             self._live_ids.discard(req.request_id)
 
@@ -500,6 +508,8 @@ class LLMEngine:
         self.decode.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity()
+        leaked = set(self.runner.logits_processor.table.rows) - set(self._requests)
+        assert not leaked, f"penalty rows held by finished requests: {sorted(leaked)}"
 
     @property
     def num_steps(self) -> int:

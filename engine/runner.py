@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvmesh.engine.cuda_graphs import CudaGraphDecoder
+from kvmesh.engine.logits_processing import LogitsProcessor
 from kvmesh.engine.model.attention import AttnMetadata
 from kvmesh.engine.model.llama import LlamaModel
 from kvmesh.engine.sampler import SampleResult, sample
@@ -18,7 +19,7 @@ from kvmesh.engine.scheduler import SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 seed: int = 0) -> None:
+                 seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
         c = model.config
         self.model = model
         self.device = model.device
@@ -36,6 +37,7 @@ class ModelRunner:
         # requests submitted in the same order sample the same tokens.
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self.logits_processor = LogitsProcessor(c.vocab_size, eos_token_ids, self.device)
 
     def capture_cuda_graphs(self, batch_sizes: tuple[int, ...], max_model_len: int) -> None:
         """Capture decode graphs (CUDA only); later decode-only steps that fit replay them."""
@@ -107,4 +109,12 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden)
         reqs = [out.seqs[i].request for i in producing]
-        return sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self.generator)
+        proc = self.logits_processor
+        raw = None
+        if proc.needed(reqs):
+            raw = logits
+            logits = proc.apply(logits.float().clone(), reqs)
+        result = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self.generator,
+                        raw_logits=raw)
+        proc.record(reqs, result.token_ids)
+        return result

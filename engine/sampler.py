@@ -66,12 +66,15 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None = None,
+    raw_logits: torch.Tensor | None = None,
 ) -> SampleResult:
     """logits: [N, vocab] in the model's dtype, one row per request in `params` order.
 
     Greedy picks need no upcast (bf16 -> fp32 is exact, so the argmax is the same);
     probabilities and logprobs are computed in fp32. Rows without a generator of their own
-    draw from `default_generator` (torch's global generator when None).
+    draw from `default_generator` (torch's global generator when None). Logprobs come from
+    `raw_logits` when given: the model's distribution before logit controls (as vLLM reports
+    them), so a masked token never shows as -inf.
     """
     n = logits.shape[0]
     greedy = [p.greedy for p in params]
@@ -98,7 +101,8 @@ def sample(
     lps: list[TokenLogprob | None] = [None] * n
     if any(w is not None for w in want):
         rows = [i for i, w in enumerate(want) if w is not None]
-        logp = torch.log_softmax(logits[rows], dim=-1)
+        source = logits if raw_logits is None else raw_logits.float()
+        logp = torch.log_softmax(source[rows], dim=-1)
         chosen = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
         kmax = max(want[i] for i in rows)
         top_vals, top_ids = (logp.topk(kmax, dim=-1) if kmax > 0 else (None, None))

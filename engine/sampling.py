@@ -27,6 +27,13 @@ class SamplingParams:
     min_p == 0 disable those filters. `logprobs` is None for none, else the number of top
     alternatives to return beside the sampled token (0 = the sampled token only).
     A request with a `seed` samples the same tokens whatever else is batched with it.
+
+    Logit controls (engine/logits_processing.py) act on the raw logits before temperature:
+    `presence_penalty` and `frequency_penalty` (OpenAI's, over the generated tokens),
+    `repetition_penalty` (over prompt and generated tokens; 1 is off), `logit_bias` (token id ->
+    added bias), `min_tokens` (EOS and `stop_token_ids` are masked, and stop strings are not
+    checked, until that many tokens were generated) and `allowed_token_ids` (every other token is
+    masked). Token ids are checked against the vocabulary by the engine, not here.
     """
 
     max_tokens: int = 16
@@ -40,8 +47,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 
     def validate(self) -> "SamplingParams":
         """Check types and ranges; raise InvalidSamplingParams naming the first bad field.
@@ -69,10 +83,45 @@ class SamplingParams:
             raise InvalidSamplingParams("stop must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidSamplingParams("stop_token_ids must be a list of non-negative integers")
+        self._validate_logit_controls()
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSamplingParams(f"{name} must be true or false, got {getattr(self, name)!r}")
         return self
+
+    def _validate_logit_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= v <= 2.0:
+                raise InvalidSamplingParams(f"{name} must be a number in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not _is_real(rp) or not 0.0 < rp <= 2.0:
+            raise InvalidSamplingParams(f"repetition_penalty must be a number in (0, 2] (1 is off), got {rp!r}")
+        bias = self.logit_bias
+        if not isinstance(bias, dict) or len(bias) > self.MAX_LOGIT_BIAS:
+            raise InvalidSamplingParams(f"logit_bias must map at most {self.MAX_LOGIT_BIAS} token ids to biases")
+        for tok, b in bias.items():
+            if not _is_int(tok) or tok < 0:
+                raise InvalidSamplingParams(f"logit_bias keys must be non-negative token ids, got {tok!r}")
+            if not _is_real(b) or not -100.0 <= b <= 100.0:
+                raise InvalidSamplingParams(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {tok}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidSamplingParams(
+                f"min_tokens must be an integer between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, (list, tuple)) or not allowed
+                                    or any(not _is_int(t) or t < 0 for t in allowed)):
+            raise InvalidSamplingParams("allowed_token_ids must be a non-empty list of non-negative token ids")
+
+    def token_ids_named(self) -> list[int]:
+        """Every token id the parameters name (for the engine's vocabulary check)."""
+        return [*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or ())]
+
+    @property
+    def controls_logits(self) -> bool:
+        """True when any logit control is on (the sampler then runs logits_processing first)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None)
 
     @property
     def greedy(self) -> bool:

@@ -60,7 +60,9 @@ class RequestStream:
             delta = self.detok.add([token])
             if delta:
                 self.text += delta
-                hit = self.stops.check(self.text, len(delta)) if self.stops else None
+                # Stop strings count only from min_tokens on (EOS and stop ids are masked until then).
+                checking = self.stops and len(req.output_token_ids) >= p.min_tokens
+                hit = self.stops.check(self.text, len(delta)) if checking else None
                 if hit is not None:
                     self.text = hit.text + (hit.stop if p.include_stop_str_in_output else "")
                     reason, stop_reason = "stop", hit.stop

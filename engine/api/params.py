@@ -100,18 +100,18 @@ def _too_long(prompt_len: int, max_tokens: int | None, limits: Limits) -> str:
             f"{max_tokens} for the completion). Shorten the prompt or lower max_tokens.")
 
 
-def check_common_unsupported(req: _SamplingFields) -> None:
-    """Reject parameters the engine does not implement instead of silently ignoring them."""
-    if req.presence_penalty:
-        raise errors.unsupported_parameter("presence_penalty", "only 0 is accepted")
-    if req.frequency_penalty:
-        raise errors.unsupported_parameter("frequency_penalty", "only 0 is accepted")
-    if req.logit_bias:
-        raise errors.unsupported_parameter("logit_bias")
+def logit_bias(req: _SamplingFields) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys) with integer keys; a 400 for a key
+    that is not a token id. Ranges are the engine's to check (SamplingParams.validate)."""
+    out: dict[int, float] = {}
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.strip().lstrip("-").isdigit():
+            raise errors.invalid_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out[int(key)] = bias
+    return out
 
 
 def check_completion_unsupported(req: CompletionRequest) -> None:
-    check_common_unsupported(req)
     if req.suffix:
         raise errors.unsupported_parameter("suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -121,7 +121,6 @@ def check_completion_unsupported(req: CompletionRequest) -> None:
 
 
 def check_chat_unsupported(req: ChatCompletionRequest) -> None:
-    check_common_unsupported(req)
     if req.tools:
         raise errors.unsupported_parameter("tools")
     if req.response_format is not None and req.response_format.type != "text":
@@ -204,6 +203,12 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None)
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+        frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=logit_bias(req),
+        min_tokens=req.min_tokens,
+        allowed_token_ids=None if req.allowed_token_ids is None else list(req.allowed_token_ids),
     )
     try:
         return params.validate()
@@ -224,6 +229,7 @@ def expand_choices(base: SamplingParams, n: int, num_prompts: int) -> list[Choic
         for i in range(n):
             # A copy per sequence: the engine owns the params it is handed.
             params = dataclasses.replace(base, seed=derive_seed(base.seed, i), stop=list(base.stop),
-                                         stop_token_ids=list(base.stop_token_ids))
+                                         stop_token_ids=list(base.stop_token_ids),
+                                         logit_bias=dict(base.logit_bias))
             specs.append(ChoiceSpec(index=p * n + i, prompt_index=p, params=params))
     return specs

@@ -60,6 +60,9 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     """vLLM's tenant isolation field: requests share cached prefixes only with the same salt."""

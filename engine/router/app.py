@@ -33,6 +33,8 @@ from kvmesh.engine.router.dispatch import Dispatcher
 from kvmesh.engine.router.metrics import PDMetrics, RouterMetrics
 from kvmesh.engine.router.policies import LoadModel, build_policy, uses_prefix
 from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, analyze, with_cache_salt
+from kvmesh.engine.api.tokenize import DETOKENIZE, TOKENIZE
+from kvmesh.engine.api.tokenize import answer as tokenize_answer
 from kvmesh.engine.router.proxy import all_engines_down, internal_auth
 from kvmesh.engine.router.sessions import SessionTable, session_key
 from kvmesh.engine.router.slo import ClientClock
@@ -253,6 +255,10 @@ class RouterApp:
                 if method != "POST":
                     raise errors.method_not_allowed(method, path)
                 await self._generate(scope, receive, send, path)
+            elif path in (TOKENIZE, DETOKENIZE):
+                if method != "POST":
+                    raise errors.method_not_allowed(method, path)
+                await self._tokenize(path, await read_body(receive), send)
             elif method != "GET":
                 raise errors.method_not_allowed(method, path) if path in _GET_ROUTES else errors.route_not_found(path)
             elif path == "/health":
@@ -273,13 +279,33 @@ class RouterApp:
             await proxy.send_error(send, e)
 
     async def _models(self, path: str, send: proxy.Send) -> None:
+        await self._relay("GET", path, None, send)
+
+    async def _tokenize(self, path: str, body: bytes, send: proxy.Send) -> None:
+        """Answered here with the engines' tokenizer when the router holds it and knows the names
+        and context length the engines serve (their /kv/info); else relayed to an engine."""
+        assert self.fleet is not None
+        infos = [st.info for st in self.fleet.engines.values() if st.healthy and st.info]
+        names = sorted({n for i in infos for n in i.get("served_model_names") or ()})
+        if self.tokenizer is None or not names:
+            await self._relay("POST", path, body, send)
+            return
+        lengths = [int(i["max_model_len"]) for i in infos if i.get("max_model_len")]
+        run = functools.partial(tokenize_answer, path, body, self.tokenizer, names, min(lengths) if lengths else None)
+        out = (await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, run)
+               if len(body) > OFFLOAD_BODY_BYTES else run())
+        await proxy.send_json(send, 200, json.dumps(out).encode())
+
+    async def _relay(self, method: str, path: str, body: bytes | None, send: proxy.Send) -> None:
+        """The answer of the least busy healthy engine to a request that needs no routing."""
         assert self.fleet is not None and self.session is not None
         tried = []
         for ep in sorted(self.fleet.endpoints(), key=lambda e: e.running):
             if not ep.healthy:
                 continue
             try:
-                async with self.session.get(ep.id + path, timeout=self.dispatch.timeout) as r:
+                async with self.session.request(method, ep.id + path, data=body, timeout=self.dispatch.timeout,
+                                                headers={"content-type": "application/json"} if body else None) as r:
                     body = await r.read()
                     await proxy.send_json(send, r.status, body)
                     return

@@ -31,6 +31,7 @@ from kvmesh.engine.server.kv_routes import add_kv_routes
 from kvmesh.engine.server.metrics import ServerMetrics
 from kvmesh.engine.util.metrics import render
 from kvmesh.engine.api.protocol import ChatCompletionRequest, CompletionRequest
+from kvmesh.engine.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from kvmesh.engine.transfer.ucx_env import stop_ucx_notifier
 
 log = logging.getLogger("kvmesh.server")
@@ -114,7 +115,8 @@ class ServerApp:
         app.state.server = self
         self._add_error_handlers(app)
         self._add_routes(app)
-        add_kv_routes(app, self.aengine, self.kv_publisher, self.disagg.info)
+        add_kv_routes(app, self.aengine, self.kv_publisher,
+                      lambda: {**self.disagg.info(), "served_model_names": self.served_names()})
         return app
 
     # ---- errors ------------------------------------------------------------------------
@@ -222,6 +224,22 @@ class ServerApp:
                 return await self.disagg.respond(serving.prepare_chat(body), body.kv_transfer_params,
                                                  request, arrival)
             return await serving.respond(serving.prepare_chat(body), request, arrival)
+
+        @app.post("/tokenize")
+        async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+            engine = self._loaded_engine(body.model)
+            return tokenize(engine.tokenizer, body, engine.max_model_len)
+
+        @app.post("/detokenize")
+        async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+            return detokenize(self._loaded_engine(body.model).tokenizer, body)
+
+    def _loaded_engine(self, model: str | None) -> Any:
+        """The engine, once loaded and when ``model`` (if given) is one of its served names."""
+        names = self._loaded_names()
+        if model and model not in names:
+            raise errors.model_not_found(model, names)
+        return self.aengine.engine
 
     def _check_internal(self, request: Request) -> None:
         """A request carrying ``kv_transfer_params`` drives the prefill/decode internals: with an

@@ -40,6 +40,7 @@ def kv_info(engine: Any, publisher: KVEventPublisher | None) -> dict[str, Any]:
     return {
         "engine_id": engine.engine_id,
         "block_size": engine.config.block_size,
+        "max_model_len": engine.max_model_len,
         "hash_function": HASH_FUNCTION,
         "root_hash": ROOT_HASH.hex(),
         "extra_key": engine.kv.extra.hex(),
@@ -55,7 +56,8 @@ def kv_info(engine: Any, publisher: KVEventPublisher | None) -> dict[str, Any]:
 
 def add_kv_routes(app: FastAPI, aengine: AsyncEngine, publisher: KVEventPublisher | None,
                   role_info: Callable[[], dict[str, Any]] | None = None) -> None:
-    """``role_info`` adds the server's ``role`` and ``transfer_port`` (docs/disagg.md) to ``/kv/info``."""
+    """``role_info`` adds the server's ``role``, ``transfer_port`` (docs/disagg.md) and
+    ``served_model_names`` (the names its OpenAI routes answer to) to ``/kv/info``."""
     def loaded_engine() -> Any:
         if aengine.engine is None:
             if aengine.state is ServerState.FAILED:

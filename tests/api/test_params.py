@@ -69,8 +69,7 @@ def test_sampling_params_range_errors_name_the_parameter(field, value):
 
 
 @pytest.mark.parametrize("kw,param", [
-    ({"presence_penalty": 0.1}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
-    ({"logit_bias": {"1": 2.0}}, "logit_bias"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
@@ -80,8 +79,31 @@ def test_chat_unsupported_or_inconsistent(kw, param):
     assert e.value.status == 400 and e.value.param == param
 
 
-def test_zero_penalties_and_text_format_are_accepted():
-    params.check_chat_unsupported(chat(presence_penalty=0, frequency_penalty=0.0, response_format={"type": "text"}))
+def test_text_format_is_accepted():
+    params.check_chat_unsupported(chat(response_format={"type": "text"}))
+
+
+def test_logit_controls_reach_the_engine_parameters():
+    p = params.sampling_params(chat(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2,
+                                    logit_bias={"7": -100, "12": 3.5}, min_tokens=2, allowed_token_ids=[1, 2]),
+                               4, None)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1, 1.2)
+    assert (p.logit_bias, p.min_tokens, p.allowed_token_ids) == ({7: -100, 12: 3.5}, 2, [1, 2])
+    assert params.sampling_params(chat(), 4, None).controls_logits is False
+
+
+@pytest.mark.parametrize("kw,param,text", [
+    ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "[-2, 2]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "(0, 2]"),
+    ({"logit_bias": {"x1": 2.0}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"3": 200}}, "logit_bias", "[-100, 100]"),
+    ({"min_tokens": 5}, "min_tokens", "max_tokens (4)"),
+])
+def test_logit_controls_out_of_range_are_400s_with_the_range(kw, param, text):
+    with pytest.raises(APIError) as e:
+        params.sampling_params(chat(**kw), 4, None)
+    assert e.value.status == 400 and e.value.param == param and text in e.value.message
 
 
 @pytest.mark.parametrize("kw,param", [({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),

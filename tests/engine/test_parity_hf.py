@@ -50,8 +50,7 @@ def prompts(loaded):
 
 
 @pytest.fixture(scope="module")
-def hf_reference(prompts):
-    """transformers' greedy tokens and per-step logits, one prompt at a time (no padding)."""
+def hf_model():
     from transformers import AutoModelForCausalLM
 
     from kvmesh.engine.model.fetch import ensure_default_model
@@ -60,6 +59,12 @@ def hf_reference(prompts):
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
     model.generation_config.eos_token_id = None  # run the full length, as ignore_eos does
+    return model
+
+
+def _hf_generate(model, prompts, **controls) -> list:
+    """transformers' greedy tokens and per-step scores (the logits after its processors, which are
+    the raw logits without `controls`), one prompt at a time (no padding)."""
     refs = []
     with torch.inference_mode():
         for ids in prompts:
@@ -67,13 +72,17 @@ def hf_reference(prompts):
             # transformers would otherwise infer a mask that hides those tokens.
             x = torch.tensor([ids])
             out = model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False, output_logits=True,
-                return_dict_in_generate=True, pad_token_id=2,
+                x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False, output_scores=True,
+                return_dict_in_generate=True, pad_token_id=2, **controls,
             )
             toks = out.sequences[0, len(ids):].tolist()
-            logits = torch.stack([l[0] for l in out.logits])  # [steps, vocab]
-            refs.append((toks, logits))
+            refs.append((toks, torch.stack([s[0] for s in out.scores])))  # [steps, vocab]
     return refs
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model, prompts):
+    return _hf_generate(hf_model, prompts)
 
 
 def _engine(loaded, **cfg) -> LLM:
@@ -239,3 +248,19 @@ def test_disaggregated_prefill_to_decode(loaded, prompts, hf_reference):
             e.check_integrity()
             assert not e.kv.requests
     print(f"disaggregated: near ties {ties}")
+
+
+def test_repetition_penalty_matches_transformers(loaded, prompts, hf_model):
+    """vLLM's repetition_penalty is transformers' (prompt and output tokens, divide positive
+    logits, multiply negative ones): greedy tokens agree in a batch with chunked prefill and a
+    small pool, where the penalty's count table outlives preemptions."""
+    refs = _hf_generate(hf_model, prompts, repetition_penalty=1.3)
+    longest = max(len(p) for p in prompts) + MAX_NEW
+    llm = _engine(loaded, max_num_batched_tokens=64, num_kv_blocks=-(-longest // 16) + 2)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    results = llm.generate(prompts, params)
+    assert llm.engine.stats().num_preemptions > 0, "the small pool forced no preemption"
+    plain = llm.generate(prompts, _params())
+    ties = _compare(results, refs)
+    print(f"near ties: {ties}")
+    assert sum(a.token_ids != b.token_ids for a, b in zip(results, plain)) >= 3, "the penalty changed nothing"

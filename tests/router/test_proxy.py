@@ -264,3 +264,38 @@ def test_session_policy_is_sticky_by_header_and_by_user(cluster_factory):
     assert all(completion(c.url, headers={"x-session-id": "s1"}).json()["engine"] == first for _ in range(4))
     u = completion(c.url, user="alice").json()["engine"]
     assert all(completion(c.url, user="alice").json()["engine"] == u for _ in range(4))
+
+
+def test_tokenize_is_answered_by_the_router_with_the_engines_tokenizer(cluster_factory):
+    """A prefix policy holds the engines' tokenizer, so /tokenize and /detokenize never reach an
+    engine; the names and context length come from the engines' /kv/info."""
+    engines = [FakeEngine("a"), FakeEngine("b")]
+    c = cluster_factory("cache-aware", engines)
+    tok = FakeTokenizer()
+    msgs = [{"role": "user", "content": "hi"}]
+    deadline = time.monotonic() + 10
+    while (r := httpx.post(c.url + "/tokenize", json={"prompt": "hello"})).json().get("max_model_len") is None:
+        assert time.monotonic() < deadline, r.text  # relayed until the engines' /kv/info is read
+        time.sleep(0.1)
+    engines[0].requests.clear()
+    engines[1].requests.clear()
+    assert httpx.post(c.url + "/tokenize", json={"model": "fake-model", "prompt": "hello"}).json() == {
+        "count": 5, "max_model_len": 4096, "tokens": tok.encode("hello"), "token_strs": None}
+    assert httpx.post(c.url + "/tokenize", json={"messages": msgs}).json()["tokens"] == tok.apply_chat_template(msgs)
+    assert httpx.post(c.url + "/detokenize", json={"tokens": tok.encode("héllo")}).json() == {"prompt": "héllo"}
+    bad = httpx.post(c.url + "/tokenize", json={"model": "other", "prompt": "x"})
+    assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+    both = httpx.post(c.url + "/tokenize", json={"prompt": "x", "messages": msgs})
+    assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
+    vocab = httpx.post(c.url + "/detokenize", json={"tokens": [10**6]})
+    assert vocab.status_code == 400 and vocab.json()["error"]["param"] == "tokens"
+    assert httpx.post(c.url + "/tokenize", content=b"{not json").json()["error"]["code"] == "invalid_json"
+    assert httpx.get(c.url + "/tokenize").status_code == 405
+    assert engines[0].requests == engines[1].requests == []
+
+
+def test_tokenize_without_the_tokenizer_is_relayed_to_an_engine(cluster_factory):
+    a = FakeEngine("a")
+    c = cluster_factory("round-robin", [a])
+    r = httpx.post(c.url + "/tokenize", json={"prompt": "hello"})
+    assert r.status_code == 200 and a.requests == [{"prompt": "hello"}]

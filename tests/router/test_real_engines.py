@@ -205,3 +205,18 @@ def test_a_router_that_cannot_read_the_model_takes_the_tokenizer_from_an_engine(
 
 def router_tokenizer(router: RouterProcess) -> str:
     return httpx.get(router.url("/ready"), timeout=10).json()["tokenizer"]
+
+
+def test_the_router_tokenizes_exactly_as_the_engines_do(fleet):
+    """The router answers /tokenize with the tokenizer it took from the engines: the same tokens,
+    count and context length as an engine gives for the same body, for a prompt and a chat."""
+    engines, router = fleet
+    bodies = [{"prompt": SYSTEM + "How are blocks hashed?", "return_token_strs": True},
+              {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]}]
+    for body in bodies:
+        mine = httpx.post(router.url("/tokenize"), json=body, timeout=30)
+        theirs = httpx.post(engines[0].url("/tokenize"), json=body, timeout=30)
+        assert mine.status_code == theirs.status_code == 200 and mine.json() == theirs.json()
+    ids = theirs.json()["tokens"]
+    assert (httpx.post(router.url("/detokenize"), json={"tokens": ids}, timeout=30).json()
+            == httpx.post(engines[1].url("/detokenize"), json={"tokens": ids}, timeout=30).json())

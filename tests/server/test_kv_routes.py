@@ -72,6 +72,7 @@ def test_routes_answer_503_until_loaded_then_describe_the_cache():
             "model": "fake-model", "dtype": "bfloat16", "lora": None, "cache_salt": "tenant-7",
             "kv_events": {"port": port, "replay_port": port + 1, "topic": "kv-events/engine-fake"},
             "tiers": ["gpu"], "role": "both", "transfer_port": None, "tokenizer": engine.tokenizer.fingerprint,
+            "max_model_len": 64, "served_model_names": ["fake-model", "default"],
         }
         # /ready names the same engine: a router that sees another id there resyncs (router/discovery.py).
         assert client.get("/ready").json()["engine_id"] == info["engine_id"]

@@ -203,6 +203,48 @@ def test_logprobs_chat_and_completions(client, offline):
     assert all(1 <= len(t) <= 3 for t in lp.top_logprobs)
 
 
+def test_logit_controls_shape_what_the_server_generates(client, offline):
+    """Penalties, logit bias and min_tokens reach the engine: the server's greedy tokens equal the
+    offline engine's with the same controls, and a forced token and a banned EOS are visible."""
+    controls = dict(frequency_penalty=1.5, presence_penalty=0.5)
+    exp = offline.chat([_chat(QUESTIONS[0])], _greedy(**controls))[0]
+    r = client.chat.completions.create(model=MODEL, messages=_chat(QUESTIONS[0]), temperature=0,
+                                       max_tokens=MAX_TOKENS, **controls)
+    assert r.choices[0].message.content == exp.text
+    plain = client.chat.completions.create(model=MODEL, messages=_chat(QUESTIONS[0]), temperature=0,
+                                           max_tokens=MAX_TOKENS)
+    assert plain.choices[0].message.content != exp.text, "the penalties changed nothing"
+    tok = offline.engine.tokenizer
+    forced = tok.encode(" banana")[0]
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                  logit_bias={str(forced): 100})
+    assert r.choices[0].text == tok.decode([forced] * 3)
+    # Without min_tokens the answer ends with EOS after n tokens; with min_tokens=n+3 EOS is masked
+    # until then.
+    msgs = _chat("What is the capital of France?")
+    plain_ans = offline.chat([msgs], _greedy(max_tokens=64))[0]
+    assert plain_ans.finish_reason == "stop"
+    n = len(plain_ans.token_ids)
+    longer = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=n + 12,
+                                            extra_body={"min_tokens": n + 3})
+    assert longer.usage.completion_tokens >= n + 3
+
+
+def test_tokenize_counts_what_generation_bills_and_detokenize_inverts_it(server, client):
+    msgs = _chat(QUESTIONS[1])
+    r = httpx.post(server.url("/tokenize"), json={"model": MODEL, "messages": msgs}, timeout=60).json()
+    usage = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=1).usage
+    assert r["count"] == len(r["tokens"]) == usage.prompt_tokens and r["max_model_len"] == 8192
+    text = "The capital of France is"
+    t = httpx.post(server.url("/tokenize"), json={"prompt": text, "return_token_strs": True}, timeout=60).json()
+    cmpl = client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0)
+    assert t["count"] == cmpl.usage.prompt_tokens and len(t["token_strs"]) == t["count"]
+    back = httpx.post(server.url("/detokenize"), json={"tokens": t["tokens"]}, timeout=60).json()
+    assert back == {"prompt": text}
+    chat_text = httpx.post(server.url("/detokenize"), json={"tokens": r["tokens"]}, timeout=60).json()["prompt"]
+    assert "<|im_start|>" in chat_text and QUESTIONS[1] in chat_text
+
+
 def test_max_completion_tokens_and_length_finish(client):
     r = client.chat.completions.create(model=MODEL, messages=_chat(QUESTIONS[2]), temperature=0,
                                        max_completion_tokens=3)
@@ -286,8 +328,10 @@ BAD_INPUTS = [
     ("logprobs-too-many", _CMPL, {"prompt": "x", "logprobs": 50}, 400, "invalid_request", "logprobs", None),
     ("top-logprobs-without-logprobs", _CHAT, {"messages": _OK_MSGS, "top_logprobs": 2}, 400,
      "invalid_request", "top_logprobs", None),
-    ("presence-penalty", _CHAT, {"messages": _OK_MSGS, "presence_penalty": 0.5}, 400,
-     "unsupported_parameter", "presence_penalty", None),
+    ("presence-penalty-range", _CHAT, {"messages": _OK_MSGS, "presence_penalty": 2.5}, 400,
+     "invalid_request", "presence_penalty", "[-2, 2]"),
+    ("logit-bias-out-of-vocab", _CHAT, {"messages": _OK_MSGS, "logit_bias": {"60000": 1}}, 400,
+     "invalid_request", None, "49152"),
     ("tools", _CHAT, {"messages": _OK_MSGS, "tools": [{"type": "function"}]}, 400,
      "unsupported_parameter", "tools", None),
     ("too-many-stops", _CHAT, {"messages": _OK_MSGS, "stop": ["a"] * 17}, 400, "invalid_request", "stop", None),
@@ -297,6 +341,12 @@ BAD_INPUTS = [
     ("unknown-model", _CHAT, {"model": "gpt-nope", "messages": _OK_MSGS}, 404, "model_not_found", "model",
      "gpt-nope"),
     ("unknown-route", "/v1/embeddings", {"input": "x"}, 404, "not_found", None, None),
+    ("tokenize-both-inputs", "/tokenize", {"prompt": "x", "messages": _OK_MSGS}, 400, "invalid_request", None,
+     "exactly one"),
+    ("tokenize-unknown-model", "/tokenize", {"model": "gpt-nope", "prompt": "x"}, 404, "model_not_found",
+     "model", "gpt-nope"),
+    ("detokenize-out-of-vocab", "/detokenize", {"tokens": [1, 10**6]}, 400, "invalid_request", "tokens", "49152"),
+    ("detokenize-not-ids", "/detokenize", {"tokens": ["a"]}, 400, "invalid_request", None, "tokens"),
 ]
 
 

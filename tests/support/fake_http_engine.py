@@ -76,7 +76,8 @@ class FakeEngine:
 
     def kv_info(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id or self.name, "block_size": BLOCK_SIZE, "hash_function": self.hash_function,
-                "extra_key": EXTRA.hex(), "kv_events": self.kv_events,
+                "extra_key": EXTRA.hex(), "kv_events": self.kv_events, "max_model_len": 4096,
+                "served_model_names": ["fake-model"],
                 **({"tokenizer": self.tokenizer} if self.tokenizer else {})}
 
     async def handle(self, req: dict[str, Any], receive: Any, send: Any) -> None:

@@ -26,6 +26,7 @@ _OFFSET = 1  # token id = byte + 1
 class FakeTokenizer:
     eos_token_ids = (EOS,)
     fingerprint = "fake-bytes-tokenizer"  # what /kv/info reports and a router compares
+    vocab_size = 256 + _OFFSET
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [b + _OFFSET for b in text.encode()]
