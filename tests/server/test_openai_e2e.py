@@ -207,12 +207,13 @@ def test_logit_controls_shape_what_the_server_generates(client, offline):
     """Penalties, logit bias and min_tokens reach the engine: the server's greedy tokens equal the
     offline engine's with the same controls, and a forced token and a banned EOS are visible."""
     controls = dict(frequency_penalty=1.5, presence_penalty=0.5)
-    exp = offline.chat([_chat(QUESTIONS[0])], _greedy(**controls))[0]
-    r = client.chat.completions.create(model=MODEL, messages=_chat(QUESTIONS[0]), temperature=0,
-                                       max_tokens=MAX_TOKENS, **controls)
+    q = "Write a haiku about the sea."
+    exp = offline.chat([_chat(q)], _greedy(ignore_eos=True, **controls))[0]
+    r = client.chat.completions.create(model=MODEL, messages=_chat(q), temperature=0, max_tokens=MAX_TOKENS,
+                                       extra_body={"ignore_eos": True}, **controls)
     assert r.choices[0].message.content == exp.text
-    plain = client.chat.completions.create(model=MODEL, messages=_chat(QUESTIONS[0]), temperature=0,
-                                           max_tokens=MAX_TOKENS)
+    plain = client.chat.completions.create(model=MODEL, messages=_chat(q), temperature=0, max_tokens=MAX_TOKENS,
+                                           extra_body={"ignore_eos": True})
     assert plain.choices[0].message.content != exp.text, "the penalties changed nothing"
     tok = offline.engine.tokenizer
     forced = tok.encode(" banana")[0]
