@@ -42,6 +42,8 @@ from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.sampling import InvalidSamplingParams, SamplingParams
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.stream import RequestStream
+from kvmesh.engine.structured.grammar import GrammarCompiler
+from kvmesh.engine.structured.masking import GrammarState
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
 
@@ -174,6 +176,8 @@ class LLMEngine:
         self.loaded.weights = {}  # the model holds fused copies; drop the originals
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.dtype, seed=cfg.seed,
                                   eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+        self.grammars = GrammarCompiler(getattr(self.tokenizer, "hf", None), self.model_config.vocab_size,
+                                        tuple(self.tokenizer.eos_token_ids))
         if cfg.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton":
             sizes = tuple(b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs)
             self.runner.capture_cuda_graphs(sizes, model_len)
@@ -237,7 +241,8 @@ class LLMEngine:
         return self.scheduler.num_deferred > 0
 
     def close(self) -> None:
-        """Release the cache-node connections (if any). Idempotent."""
+        """Release the cache-node connections (if any) and the grammar worker. Idempotent."""
+        self.runner.grammar_masks.close()
         if self._cache_node is not None:
             self._cache_node.close()
             self._cache_node = None
@@ -246,8 +251,9 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """Everything add_request checks, without enqueuing; returns the prompt as a list of ints.
 
-        Raises InvalidSamplingParams, InvalidPromptError (EmptyPromptError for no tokens) or
-        PromptTooLongError. A request that passes can always be scheduled to completion.
+        Raises InvalidSamplingParams, InvalidGrammarError, InvalidPromptError (EmptyPromptError
+        for no tokens) or PromptTooLongError. A structured output's grammar is compiled here, in
+        the caller's thread. A request that passes can always be scheduled to completion.
         """
         params.validate()
         vocab = self.model_config.vocab_size
@@ -257,6 +263,8 @@ class LLMEngine:
             bad = next(t for t in named if t >= vocab)
             raise InvalidSamplingParams(f"token id {bad} (in stop_token_ids, logit_bias or allowed_token_ids) "
                                         f"is outside this model's vocabulary [0, {vocab})")
+        if params.structured is not None:
+            self.grammars.prepare(params.structured)  # InvalidGrammarError; cached for add_request
         n = len(ids)
         if n + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
@@ -307,6 +315,7 @@ class LLMEngine:
             handoff=prefill,
             handoff_sent=prefill.from_block if prefill else 0,
             kv_root=chain_root(cache_salt),
+            grammar=GrammarState(self.grammars.matcher(params.structured)) if params.structured else None,
         )
         req.stream = RequestStream(self.tokenizer, req.prompt_token_ids, params)
         with self._lock:

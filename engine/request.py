@@ -55,6 +55,8 @@ class Request:
     transferred: bool = False
     """Decode role: the prompt's KV arrived by transfer; it holds every block it will need and is
     never chosen as a preemption victim."""
+    grammar: Any = None
+    """A ``structured.masking.GrammarState`` when the output is constrained, else None."""
     # Engine-side streaming state (detokenizer, stop checker, emitted offsets).
     stream: Any = None
 

@@ -11,6 +11,7 @@ import torch
 
 from kvmesh.engine.cuda_graphs import CudaGraphDecoder
 from kvmesh.engine.logits_processing import LogitsProcessor
+from kvmesh.engine.structured.masking import GrammarMasks
 from kvmesh.engine.model.attention import AttnMetadata
 from kvmesh.engine.model.llama import LlamaModel
 from kvmesh.engine.sampler import SampleResult, sample
@@ -38,6 +39,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.logits_processor = LogitsProcessor(c.vocab_size, eos_token_ids, self.device)
+        self.grammar_masks = GrammarMasks(c.vocab_size)
 
     def capture_cuda_graphs(self, batch_sizes: tuple[int, ...], max_model_len: int) -> None:
         """Capture decode graphs (CUDA only); later decode-only steps that fit replay them."""
@@ -94,6 +96,10 @@ class ModelRunner:
         """
         ids, meta = self.prepare(out, block_ids)
         producing = [i for i, s in enumerate(out.seqs) if s.produces_token]
+        reqs = [out.seqs[i].request for i in producing]
+        masks = self.grammar_masks
+        # Grammar masks depend only on tokens already sampled: computed while the model runs.
+        pending = masks.start(reqs) if masks.needed(reqs) else None
         # Rows that produce a token: the last of each such sequence's chunk.
         last = meta.query_start_loc[1:].to(torch.int64) - 1
         if len(producing) < len(out.seqs):
@@ -108,13 +114,18 @@ class ModelRunner:
         if not producing:
             return None
         logits = self.model.compute_logits(hidden)
-        reqs = [out.seqs[i].request for i in producing]
         proc = self.logits_processor
         raw = None
-        if proc.needed(reqs):
+        if pending is not None or proc.needed(reqs):
             raw = logits
-            logits = proc.apply(logits.float().clone(), reqs)
+            logits = logits.float().clone()
+            if proc.needed(reqs):
+                proc.apply(logits, reqs)
+            if pending is not None:
+                masks.apply(logits, pending, raw)
         result = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self.generator,
                         raw_logits=raw)
         proc.record(reqs, result.token_ids)
+        if pending is not None:
+            masks.advance(reqs, result.token_ids)
         return result

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.engine.structured.grammar import StructuredOutput
+
 
 class InvalidSamplingParams(ValueError):
     """A sampling parameter has the wrong type or is out of range; the message starts with its name."""
@@ -53,6 +55,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
+    structured: StructuredOutput | None = None
+    """A grammar the output must match (engine/structured): valid by construction, ending with
+    "stop" when the grammar is complete."""
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
@@ -84,6 +89,8 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidSamplingParams("stop_token_ids must be a list of non-negative integers")
         self._validate_logit_controls()
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidSamplingParams(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSamplingParams(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -12,6 +12,7 @@ from kvmesh.engine.model.tokenizer import IncrementalDetokenizer, StopChecker, T
 from kvmesh.engine.outputs import RequestOutput, TokenLogprob
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling import SamplingParams
+from kvmesh.engine.structured.masking import GrammarViolation
 
 
 class RequestStream:
@@ -66,6 +67,13 @@ class RequestStream:
                 if hit is not None:
                     self.text = hit.text + (hit.stop if p.include_stop_str_in_output else "")
                     reason, stop_reason = "stop", hit.stop
+        grammar = req.grammar
+        if grammar is not None:
+            grammar.catch_up(req.output_token_ids)  # a no-op unless the token came by transfer
+        if grammar is not None and grammar.error is not None:
+            raise GrammarViolation(f"structured output: {grammar.error}")
+        if reason is None and grammar is not None and grammar.stopped:
+            reason = "stop"  # the grammar is complete; nothing more may follow
         if reason is None and (len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= max_model_len):
             reason = "length"
         if reason is not None:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.engine.sampling import InvalidSamplingParams, SamplingParams
+from kvmesh.engine.structured.grammar import InvalidGrammarError, StructuredOutput
 from kvmesh.engine.api import errors
 from kvmesh.engine.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 
@@ -123,8 +125,9 @@ def check_completion_unsupported(req: CompletionRequest) -> None:
 def check_chat_unsupported(req: ChatCompletionRequest) -> None:
     if req.tools:
         raise errors.unsupported_parameter("tools")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise errors.unsupported_parameter("response_format", f"type {req.response_format.type!r}")
+    if req.response_format is not None and req.response_format.type not in ("text", "json_object", "json_schema"):
+        raise errors.unsupported_parameter("response_format", f"type {req.response_format.type!r} (text, "
+                                           "json_object and json_schema are served)")
     if req.top_logprobs is not None and not req.logprobs:
         raise errors.invalid_request("top_logprobs requires logprobs=true", "top_logprobs")
     if req.top_logprobs is not None and req.top_logprobs > SamplingParams.MAX_LOGPROBS:
@@ -189,6 +192,61 @@ def chat_prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[in
         raise errors.invalid_request(str(e), "messages") from None
 
 
+_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
+
+
+def _structured_from(kind: str, value: Any, param: str) -> StructuredOutput:
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise InvalidGrammarError(f"'{param}' is not valid JSON: {e}", param) from None
+        return StructuredOutput.json_schema(value, param)
+    if kind == "choice":
+        return StructuredOutput.choice(value, param)
+    if kind == "json_object":
+        return StructuredOutput("json_object", "", param)
+    if not isinstance(value, str) or not value:
+        raise InvalidGrammarError(f"'{param}' must be a non-empty string", param)
+    return StructuredOutput(kind, value, param)
+
+
+def structured_output(req: _SamplingFields) -> StructuredOutput | None:
+    """The request's output constraint, from chat's ``response_format`` or vLLM's
+    ``structured_outputs`` / ``guided_*`` fields; a 400 naming the field when there are several
+    or one is malformed. Whether the grammar compiles is the engine's to say."""
+    found: list[tuple[str, Any, str]] = []
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("json_object", None, "response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise errors.invalid_request("response_format of type json_schema needs json_schema.schema",
+                                         "response_format.json_schema.schema")
+        found.append(("json_schema", fmt.json_schema.json_schema, "response_format.json_schema.schema"))
+    so = req.structured_outputs or {}
+    for key, value in so.items():
+        if key in _STRUCTURED_KEYS and value is not None and value is not False:
+            found.append((_STRUCTURED_KEYS[key], value, f"structured_outputs.{key}"))
+    for field_name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                             ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        value = getattr(req, field_name)
+        if value is not None:
+            found.append((kind, value, field_name))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise errors.invalid_request("send at most one output constraint; got " + ", ".join(p for _, _, p in found),
+                                     found[1][2])
+    kind, value, param = found[0]
+    try:
+        return _structured_from(kind, value, param)
+    except InvalidGrammarError as e:
+        raise errors.invalid_request(str(e), e.param) from None
+
+
 def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """The engine's parameters for choice 0 of `req`; raises a 400 naming the bad parameter."""
     params = SamplingParams(
@@ -209,6 +267,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None)
         logit_bias=logit_bias(req),
         min_tokens=req.min_tokens,
         allowed_token_ids=None if req.allowed_token_ids is None else list(req.allowed_token_ids),
+        structured=structured_output(req),
     )
     try:
         return params.validate()

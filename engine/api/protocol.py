@@ -64,6 +64,12 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
     priority: int = 0
+    # Structured outputs, vLLM's extensions (docs/server.md): at most one constraint per request.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     """vLLM's tenant isolation field: requests share cached prefixes only with the same salt."""
     # Prefill/decode disaggregation (docs/disagg.md): set by the router, never by clients.
@@ -125,9 +131,21 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema is under ``schema`` (a BaseModel attribute name,
+    hence the alias)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str = "text"
+    json_schema: JSONSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

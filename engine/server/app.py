@@ -210,9 +210,10 @@ class ServerApp:
             body.cache_salt = self.auth.cache_salt(request.headers.get("authorization"), body.cache_salt)
             if body.kv_transfer_params is not None:
                 self._check_internal(request)
-                return await self.disagg.respond(serving.prepare_completion(body), body.kv_transfer_params,
-                                                 request, arrival)
-            return await serving.respond(serving.prepare_completion(body), request, arrival)
+            prep = await serving.compile_grammar(serving.prepare_completion(body))
+            if body.kv_transfer_params is not None:
+                return await self.disagg.respond(prep, body.kv_transfer_params, request, arrival)
+            return await serving.respond(prep, request, arrival)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -221,9 +222,10 @@ class ServerApp:
             body.cache_salt = self.auth.cache_salt(request.headers.get("authorization"), body.cache_salt)
             if body.kv_transfer_params is not None:
                 self._check_internal(request)
-                return await self.disagg.respond(serving.prepare_chat(body), body.kv_transfer_params,
-                                                 request, arrival)
-            return await serving.respond(serving.prepare_chat(body), request, arrival)
+            prep = await serving.compile_grammar(serving.prepare_chat(body))
+            if body.kv_transfer_params is not None:
+                return await self.disagg.respond(prep, body.kv_transfer_params, request, arrival)
+            return await serving.respond(prep, request, arrival)
 
         @app.post("/tokenize")
         async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:

@@ -9,6 +9,7 @@ chunks or collected into one body.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 import uuid
@@ -69,7 +70,10 @@ def engine_error(exc: Exception, prompt_param: str = "messages") -> APIError:
     """Map an engine validation error from add_request to its API error."""
     from kvmesh.engine.engine import DuplicateRequestError, PromptTooLongError
     from kvmesh.engine.sampling import InvalidSamplingParams
+    from kvmesh.engine.structured.grammar import InvalidGrammarError
 
+    if isinstance(exc, InvalidGrammarError):
+        return errors.invalid_request(str(exc), exc.param)
     if isinstance(exc, PromptTooLongError):
         return errors.context_length_exceeded(str(exc), prompt_param)
     if isinstance(exc, DuplicateRequestError):
@@ -154,6 +158,18 @@ class Serving:
             raise
         except Exception as e:  # noqa: BLE001 - engine validation errors become 4xx
             raise engine_error(e, "prompt" if prep.kind == "completion" else "messages") from None
+
+    async def compile_grammar(self, prep: Prepared) -> Prepared:
+        """Compile the request's output grammar, if any, on a worker thread (cached by spec), so
+        neither the event loop nor the engine step ever waits for a new schema; a 400 naming the
+        field for one the engine cannot constrain to."""
+        spec = prep.choices[0].params.structured if prep.choices else None
+        if spec is not None:
+            try:
+                await asyncio.to_thread(self._engine.grammars.prepare, spec)
+            except ValueError as e:
+                raise engine_error(e) from None
+        return prep
 
     async def respond(self, prep: Prepared, request: Request, arrival_time: float) -> Response | EventStreamResponse:
         return await self.respond_group(prep, self.submit(prep, arrival_time), request)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -70,7 +72,6 @@ def test_sampling_params_range_errors_name_the_parameter(field, value):
 
 @pytest.mark.parametrize("kw,param", [
     ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_chat_unsupported_or_inconsistent(kw, param):
@@ -187,3 +188,48 @@ def test_logprob_formats():
     chat_body = responses.chat_logprobs(entries, text)
     assert chat_body["content"][0] == {"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": [
         {"token": "a", "logprob": -0.1, "bytes": [97]}, {"token": "d", "logprob": -2.0, "bytes": [100]}]}
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("kw, kind, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     "json_schema", "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
+    ({"structured_outputs": {"json": SCHEMA}}, "json_schema", "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, "regex", "structured_outputs.regex"),
+    ({"guided_json": json.dumps(SCHEMA)}, "json_schema", "guided_json"),
+    ({"guided_choice": ["yes", "no"]}, "choice", "guided_choice"),
+    ({"guided_regex": "a+"}, "regex", "guided_regex"),
+    ({"guided_grammar": 'root ::= "a"'}, "grammar", "guided_grammar"),
+])
+def test_every_structured_output_field_becomes_one_constraint(kw, kind, param):
+    spec = params.sampling_params(chat(**kw), 4, None).structured
+    assert (spec.kind, spec.param) == (kind, param)
+    if kind == "json_schema":
+        assert json.loads(spec.value) == SCHEMA
+
+
+def test_the_same_schema_is_one_cache_entry_whatever_its_key_order():
+    a = params.structured_output(chat(guided_json={"type": "object", "required": ["a"]}))
+    b = params.structured_output(chat(guided_json={"required": ["a"], "type": "object"}))
+    assert a.cache_key() == b.cache_key()
+
+
+@pytest.mark.parametrize("kw, param, text", [
+    ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex", "at most one output constraint"),
+    ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice", "at most one"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema", "needs json_schema.schema"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"guided_json": "[1, 2]"}, "guided_json", "must be a JSON schema object"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"guided_regex": ""}, "guided_regex", "non-empty string"),
+    ({"response_format": {"type": "xml"}}, "response_format", "json_object and json_schema are served"),
+])
+def test_malformed_structured_outputs_are_400s_naming_the_field(kw, param, text):
+    with pytest.raises(APIError) as e:
+        req = chat(**kw)
+        params.check_chat_unsupported(req)
+        params.sampling_params(req, 4, None)
+    assert e.value.status == 400 and e.value.param == param and text in e.value.message

@@ -30,6 +30,17 @@ JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
 SMALL_INT = st.integers(-3, 70) | st.sampled_from([2**31, 2**63, -2**63])
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "robot"]) | JSON},
                                 optional={"content": st.text(max_size=30) | JSON, "name": JSON})
+# JSON schemas: mostly well-formed, with any keywords and values a client might send.
+SCHEMA = st.recursive(
+    st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(["object", "string", "integer", "number", "array", "boolean", "null", "nope"]) | JSON,
+        "enum": st.lists(SCALARS, max_size=3), "pattern": st.text(max_size=8), "minimum": SCALARS,
+        "maxLength": SMALL_INT, "$ref": st.sampled_from(["#/$defs/a", "#", "http://x"]), "format": st.text(max_size=6)}),
+    lambda inner: st.fixed_dictionaries({"type": st.just("object")}, optional={
+        "properties": st.dictionaries(st.text(max_size=4), inner, max_size=3), "items": inner,
+        "required": st.lists(st.text(max_size=4), max_size=2), "additionalProperties": st.booleans() | inner,
+        "anyOf": st.lists(inner, max_size=2), "$defs": st.dictionaries(st.just("a"), inner, max_size=1)}),
+    max_leaves=6)
 FIELDS = {
     "model": st.sampled_from(["fake-model", "other"]) | JSON,
     "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 400), max_size=8) | JSON,
@@ -44,9 +55,18 @@ FIELDS = {
     "logit_bias": st.dictionaries(st.text(max_size=4), st.floats(-200, 200), max_size=3) | JSON,
     "presence_penalty": st.floats(-3, 3) | JSON, "frequency_penalty": st.floats(-3, 3) | JSON,
     "echo": st.booleans() | JSON, "ignore_eos": st.booleans() | JSON, "priority": SMALL_INT | JSON,
-    "cache_salt": st.text(max_size=300) | JSON, "user": JSON, "response_format": JSON, "tools": JSON,
+    "cache_salt": st.text(max_size=300) | JSON, "user": JSON, "tools": JSON,
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])},
+                                             optional={"json_schema": st.fixed_dictionaries({"schema": SCHEMA})})
+    | JSON,
     "kv_transfer_params": st.fixed_dictionaries({"transfer_id": st.text(max_size=5)}) | JSON,
     "best_of": SMALL_INT | JSON, "suffix": JSON,
+    "repetition_penalty": st.floats(-1, 3) | JSON, "min_tokens": SMALL_INT | JSON,
+    "allowed_token_ids": st.lists(st.integers(-5, 400), max_size=4) | JSON,
+    "guided_json": SCHEMA | st.text(max_size=20) | JSON, "guided_regex": st.text(max_size=12) | JSON,
+    "guided_choice": st.lists(st.text(max_size=5), max_size=3) | JSON, "guided_grammar": st.text(max_size=20) | JSON,
+    "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object"]),
+                                          SCHEMA | st.text(max_size=8) | JSON, max_size=2) | JSON,
 }
 BASES = {"/v1/completions": {"model": "fake-model", "prompt": "hello there", "max_tokens": 3},
          "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -231,6 +232,50 @@ def test_logit_controls_shape_what_the_server_generates(client, offline):
     assert longer.usage.completion_tokens >= n + 3
 
 
+def test_structured_outputs_with_the_official_clients_parse_helper(client, offline):
+    """`chat.completions.parse` with a pydantic model sends a strict json_schema; the answer
+    parses into the model every time (sampled, several choices), equals the offline engine's
+    constrained greedy answer, and streaming gives the same text."""
+    import pydantic
+
+    from kvmesh.engine.structured.grammar import StructuredOutput
+
+    class City(pydantic.BaseModel):
+        name: str
+        country: str
+        population: int
+
+    msgs = _chat("Describe Paris as JSON with its name, country and population.")
+    r = client.chat.completions.parse(model=MODEL, messages=msgs, response_format=City, temperature=0,
+                                      max_tokens=60)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, City) and r.choices[0].finish_reason == "stop"
+    schema = openai.lib._pydantic.to_strict_json_schema(City)
+    exp = offline.chat([msgs], _greedy(max_tokens=60, structured=StructuredOutput.json_schema(
+        schema, "response_format.json_schema.schema")))[0]
+    assert r.choices[0].message.content == exp.text
+    many = client.chat.completions.parse(model=MODEL, messages=msgs, response_format=City, temperature=1.0,
+                                         seed=5, n=4, max_tokens=80)
+    assert all(isinstance(c.message.parsed, City) for c in many.choices if c.finish_reason == "stop")
+    assert sum(c.finish_reason == "stop" for c in many.choices) >= 3
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=60, stream=True,
+                                            response_format={"type": "json_schema", "json_schema": {
+                                                "name": "City", "schema": schema, "strict": True}})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == exp.text
+
+
+def test_json_object_choice_and_regex_constrain_both_apis(client):
+    obj = client.chat.completions.create(model=MODEL, messages=_chat("Give me a JSON object about cats."),
+                                         temperature=0, max_tokens=60, response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    pick = client.chat.completions.create(model=MODEL, messages=_chat("Is the sky blue?"), temperature=0,
+                                          max_tokens=10, extra_body={"guided_choice": ["yes", "no"]})
+    assert pick.choices[0].message.content in ("yes", "no") and pick.choices[0].finish_reason == "stop"
+    code = client.completions.create(model=MODEL, prompt="A flight number:", max_tokens=12, temperature=0.7,
+                                     seed=1, extra_body={"guided_regex": "[A-Z]{2}[0-9]{3,4}"})
+    assert re.fullmatch("[A-Z]{2}[0-9]{3,4}", code.choices[0].text)
+
+
 def test_tokenize_counts_what_generation_bills_and_detokenize_inverts_it(server, client):
     msgs = _chat(QUESTIONS[1])
     r = httpx.post(server.url("/tokenize"), json={"model": MODEL, "messages": msgs}, timeout=60).json()
@@ -347,6 +392,13 @@ BAD_INPUTS = [
     ("tokenize-unknown-model", "/tokenize", {"model": "gpt-nope", "prompt": "x"}, 404, "model_not_found",
      "model", "gpt-nope"),
     ("detokenize-out-of-vocab", "/detokenize", {"tokens": [1, 10**6]}, 400, "invalid_request", "tokens", "49152"),
+    ("invalid-json-schema", _CHAT, {"messages": _OK_MSGS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}}}}, 400,
+     "invalid_request", "response_format.json_schema.schema", "cannot be compiled"),
+    ("invalid-regex", _CMPL, {"prompt": "x", "guided_regex": "([a-z]"}, 400, "invalid_request", "guided_regex",
+     "not a valid regular expression"),
+    ("two-constraints", _CHAT, {"messages": _OK_MSGS, "guided_regex": "a", "guided_choice": ["b"]}, 400,
+     "invalid_request", "guided_choice", "at most one"),
     ("detokenize-not-ids", "/detokenize", {"tokens": ["a"]}, 400, "invalid_request", None, "tokens"),
 ]
 

@@ -9,6 +9,7 @@ deterministic bytes: token i of a request is byte (prompt[-1] + i + 1) mod
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from kvmesh.engine.engine import DuplicateRequestError, EmptyPromptError, Engine
 from kvmesh.engine.model.tokenizer import ChatTemplateError
 from kvmesh.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from kvmesh.engine.sampling import SamplingParams
+from kvmesh.engine.structured.grammar import GrammarCompiler
 
 EOS = 0
 _OFFSET = 1  # token id = byte + 1
@@ -88,6 +90,14 @@ class FakeEngine:
         self.num_steps = 0
         self.step_calls = 0
 
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The real grammar compiler over the tiny models' real BPE tokenizer (the fake's byte
+        tokenizer is not one llguidance can read): a bad schema is refused as the engine would."""
+        from .tiny_models import TINY_VOCAB, make_tiny_tokenizer
+
+        return GrammarCompiler(make_tiny_tokenizer(), TINY_VOCAB, (EOS,))
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     priority: int = 0, arrival_time: float | None = None, handoff: object = None,
                     cache_salt: str | None = None) -> None:
@@ -95,6 +105,8 @@ class FakeEngine:
         if handoff is not None:
             raise ValueError("the fake engine takes no part in KV handoffs")
         params.validate()
+        if params.structured is not None:
+            self.grammars.prepare(params.structured)
         if not prompt_token_ids:
             raise EmptyPromptError("the prompt is empty; send at least one token")
         if any(not 0 <= t < self.model_config.vocab_size for t in prompt_token_ids):

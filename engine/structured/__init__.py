@@ -1,0 +1,1 @@
+"""Grammar-constrained decoding: structured outputs (docs/server.md, "Structured outputs")."""
