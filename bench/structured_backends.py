@@ -5,6 +5,7 @@ the allowed-token bitmask while a valid instance is fed token by token (the cost
 pays per constrained request), and JSON-schema coverage: of a set of schemas using the features
 applications send, how many compile and accept a valid instance.
 
+    .venv/bin/pip install xgrammar   # only for this comparison; kvmesh depends on llguidance alone
     .venv/bin/python bench/structured_backends.py
 """
 
@@ -160,7 +161,11 @@ def main() -> None:
     eos = tok.eos_token_ids[0]
     print(f"CPU: {_cpu()}; vocab {vocab}")
     for cls in (Llg, Xgr):
-        backend = cls(tok.hf, vocab)
+        try:
+            backend = cls(tok.hf, vocab)
+        except ImportError as e:  # xgrammar is not a kvmesh dependency: `pip install xgrammar` to compare
+            print(f"{cls.name}: not installed ({e})")
+            continue
         nested = [measure(backend, tok, NESTED, NESTED_INSTANCE, eos) for _ in range(3)]
         covered = []
         for name, schema, inst in COVERAGE:

@@ -116,13 +116,16 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         proc = self.logits_processor
         raw = None
-        if pending is not None or proc.needed(reqs):
+        controls = proc.needed(reqs)
+        if pending is not None or controls:
             raw = logits
-            logits = logits.float().clone()
-            if proc.needed(reqs):
+            logits = logits.float()
+            if logits is raw:  # already fp32: the raw logits stay for logprobs
+                logits = logits.clone()
+            if controls:
                 proc.apply(logits, reqs)
             if pending is not None:
-                masks.apply(logits, pending, raw)
+                masks.apply(logits, pending, raw, controls)
         result = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self.generator,
                         raw_logits=raw)
         proc.record(reqs, result.token_ids)

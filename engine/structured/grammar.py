@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +74,9 @@ def grammar_text(spec: StructuredOutput) -> str:
         if spec.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema('{"type":"object"}', defaults=compact)
         if spec.kind == "regex":
-            re.compile(spec.value)  # Python's message for what is malformed, before llguidance's
+            with warnings.catch_warnings():  # e.g. "possible nested set": not an error
+                warnings.simplefilter("ignore")
+                re.compile(spec.value)  # Python's message for what is malformed, before llguidance's
             return llguidance.LLMatcher.grammar_from_regex(spec.value)
         if spec.kind == "choice":
             return llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in json.loads(spec.value)))

@@ -47,8 +47,11 @@ class GrammarState:
         self.stopped = self.matcher.is_stopped()
 
 
-def _bit_positions(device: torch.device) -> torch.Tensor:
-    return torch.arange(32, dtype=torch.int32, device=device)
+def _byte_bits() -> torch.Tensor:
+    """[256, 8] bool: bit b of byte value v, so a little-endian bitmask viewed as bytes unpacks
+    by one gather (token 8 * i + b is byte i's bit b)."""
+    v = torch.arange(256, dtype=torch.int32).unsqueeze(1)
+    return ((v >> torch.arange(8, dtype=torch.int32)) & 1).bool()
 
 
 class GrammarMasks:
@@ -60,6 +63,7 @@ class GrammarMasks:
         self.words = (vocab_size + 31) // 32
         self._pool: ThreadPoolExecutor | None = None
         self._executor: Any = None
+        self._bits: torch.Tensor | None = None
 
     @staticmethod
     def needed(reqs: Sequence[Any]) -> bool:
@@ -86,19 +90,28 @@ class GrammarMasks:
             llguidance.torch.fill_next_token_bitmask_par(self._executor, live, mask)
         return mask, [i for i, _, _ in rows]
 
-    def apply(self, logits: torch.Tensor, pending: Future, raw: torch.Tensor) -> None:
-        """Mask ``logits`` (fp32, in place). A row the other controls left with no token at all
-        (min_tokens holding back the EOS a finished grammar needs, say) takes the grammar alone
-        over the raw logits: the grammar's validity wins."""
+    def apply(self, logits: torch.Tensor, pending: Future, raw: torch.Tensor, others: bool) -> None:
+        """Mask ``logits`` (fp32, in place). With ``others`` (logit controls ran first), a row they
+        left with no token the grammar allows (min_tokens holding back the EOS a finished grammar
+        needs, say) takes the grammar alone over the raw logits: the grammar's validity wins."""
         mask, rows = pending.result()
-        idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        bits = ((mask[rows].to(logits.device).unsqueeze(-1) >> _bit_positions(logits.device)) & 1)
-        allowed = bits.reshape(len(rows), -1)[:, : logits.shape[1]].bool()
-        sub = logits[idx].masked_fill(~allowed, float("-inf"))
-        dead = torch.isinf(sub).all(dim=-1)
-        if bool(dead.any()):
-            sub[dead] = raw[idx][dead].float().masked_fill(~allowed[dead], float("-inf"))
-        logits[idx] = sub
+        if self._bits is None or self._bits.device != logits.device:
+            self._bits = _byte_bits().to(logits.device)
+        words = mask[rows] if len(rows) < mask.shape[0] else mask
+        packed = words.to(logits.device).contiguous().view(torch.uint8)
+        allowed = self._bits[packed.long()].view(len(rows), -1)[:, : logits.shape[1]]
+        if len(rows) == logits.shape[0]:  # every row constrained: in place, no gather
+            sub = logits.masked_fill_(~allowed, float("-inf"))
+        else:
+            idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            sub = logits[idx].masked_fill_(~allowed, float("-inf"))
+        if others:
+            dead = torch.isinf(sub).all(dim=-1)
+            if bool(dead.any()):
+                at = torch.tensor(rows, dtype=torch.int64, device=logits.device)[dead]
+                sub[dead] = raw[at].float().masked_fill(~allowed[dead], float("-inf"))
+        if len(rows) < logits.shape[0]:
+            logits[idx] = sub
 
     @staticmethod
     def advance(reqs: Sequence[Any], tokens: Sequence[int]) -> None:
