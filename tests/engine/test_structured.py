@@ -138,7 +138,7 @@ def test_any_schema_regex_or_grammar_compiles_or_is_an_invalid_grammar_error():
     from hypothesis import given, settings, strategies as st
 
     from kvmesh.engine.structured.grammar import GrammarCompiler
-    from tests.server.test_fuzz_openai import SCHEMA as SCHEMAS
+    from tests.support.fuzz_json import SCHEMA as SCHEMAS
     from tests.support.tiny_models import TINY_VOCAB, make_tiny_tokenizer
 
     compiler = GrammarCompiler(make_tiny_tokenizer(), TINY_VOCAB, (0,))
