@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.engine.sampling import InvalidSamplingParams, SamplingParams
 from kvmesh.engine.structured.grammar import InvalidGrammarError, StructuredOutput
-from kvmesh.engine.api import errors
+from kvmesh.engine.api import errors, tools
 from kvmesh.engine.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 
 if TYPE_CHECKING:
@@ -123,8 +123,7 @@ def check_completion_unsupported(req: CompletionRequest) -> None:
 
 
 def check_chat_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise errors.unsupported_parameter("tools")
+    tool_setup(req)  # a 400 for malformed tools or a tool_choice not among them
     if req.response_format is not None and req.response_format.type not in ("text", "json_object", "json_schema"):
         raise errors.unsupported_parameter("response_format", f"type {req.response_format.type!r} (text, "
                                            "json_object and json_schema are served)")
@@ -178,16 +177,26 @@ def completion_prompt_ids(tokenizer: Tokenizer, req: CompletionRequest) -> list[
     return prompts
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:
-    """Token ids of a chat request's prompt (chat template with the generation prompt appended).
+def tool_setup(req: _SamplingFields) -> tools.ToolSetup | None:
+    """The chat request's tools (api/tools.py), None for none or tool_choice "none"."""
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    return tools.parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a chat request's prompt (chat template with the generation prompt appended),
+    its tools and tool turns rendered as api/tools.py says.
 
     Shared by the server and the router like ``completion_prompt_ids``; raises a 400 when the
     messages cannot be rendered with the model's template.
     """
     from kvmesh.engine.model.tokenizer import ChatTemplateError
 
+    msgs, kwargs = tools.render_history(chat_messages(req.messages), req.messages, tool_setup(req),
+                                        bool(getattr(tokenizer, "template_takes_tools", False)))
     try:
-        return list(tokenizer.apply_chat_template(chat_messages(req.messages), add_generation_prompt=True))
+        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs))
     except ChatTemplateError as e:
         raise errors.invalid_request(str(e), "messages") from None
 
@@ -230,6 +239,9 @@ def structured_output(req: _SamplingFields) -> StructuredOutput | None:
     for key, value in so.items():
         if key in _STRUCTURED_KEYS and value is not None and value is not False:
             found.append((_STRUCTURED_KEYS[key], value, f"structured_outputs.{key}"))
+    setup = tool_setup(req)
+    if setup is not None and setup.constrained:
+        found.append(("grammar", tools.grammar(setup), "tool_choice"))
     for field_name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
                              ("guided_choice", "choice"), ("guided_grammar", "grammar")):
         value = getattr(req, field_name)

@@ -129,6 +129,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant turn's earlier calls (api/tools.py renders them into the prompt)."""
+    tool_call_id: str | None = None
 
 
 class JSONSchemaFormat(BaseModel):
@@ -158,3 +161,4 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvmesh.engine.api import errors, params
-from kvmesh.engine.api.protocol import ChatMessage
+from kvmesh.engine.api.protocol import ChatCompletionRequest, ChatMessage
 
 if TYPE_CHECKING:
     from kvmesh.engine.model.tokenizer import Tokenizer
@@ -31,6 +31,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    """With ``messages``: rendered into the prompt as chat renders them."""
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -52,13 +54,9 @@ class DetokenizeRequest(BaseModel):
 def tokenize(tokenizer: Tokenizer, req: TokenizeRequest, max_model_len: int | None) -> dict[str, Any]:
     """The body of a /tokenize answer; a 400 naming the field for text the model cannot take."""
     if req.messages is not None:
-        from kvmesh.engine.model.tokenizer import ChatTemplateError
-
-        try:
-            ids = list(tokenizer.apply_chat_template(params.chat_messages(req.messages),
-                                                     add_generation_prompt=req.add_generation_prompt))
-        except ChatTemplateError as e:
-            raise errors.invalid_request(str(e), "messages") from None
+        chat = ChatCompletionRequest(messages=req.messages, tools=req.tools)
+        params.check_chat_unsupported(chat)
+        ids = params.chat_prompt_ids(tokenizer, chat, add_generation_prompt=req.add_generation_prompt)
     else:
         assert req.prompt is not None
         ids = tokenizer.encode(params.check_text(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens)

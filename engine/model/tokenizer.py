@@ -209,6 +209,12 @@ class Tokenizer:
         return len(self.hf)
 
     @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` argument itself (else api/tools.py's
+        generic format is used)."""
+        return "tools" in (getattr(self.hf, "chat_template", None) or "")
+
+    @property
     def bos_token_id(self) -> int | None:
         return self.hf.bos_token_id
 

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from kvmesh.engine.outputs import RequestOutput, TokenLogprob
 from kvmesh.engine.roles import Handoff
 from kvmesh.engine.api import errors, params
+from kvmesh.engine.api.tools import CallStream, ToolSetup, parse_calls
 from kvmesh.engine.server import responses
 from kvmesh.engine.server.async_engine import AsyncEngine, RequestGroup, SeqSubmission
 from kvmesh.engine.api.errors import APIError
@@ -47,6 +48,8 @@ class Prepared:
     echo_texts: list[str] | None = None  # completions with echo=true: the prompt text per prompt
     cache_salt: str | None = None
     """The request's prefix-cache namespace (``block_hash.chain_root``)."""
+    tools: ToolSetup | None = None
+    """Chat with tools: calls are parsed out of each choice's text (api/tools.py)."""
 
     def seq_id(self, index: int) -> str:
         return f"{self.request_id}-{index}"
@@ -132,7 +135,8 @@ class Serving:
         lp = params.chat_logprobs(req)
         choices = self._choices(req, [ids], None, lp, max_tokens)
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, [ids], choices,
-                        req.stream, req.include_usage, lp, req.priority, cache_salt=req.cache_salt)
+                        req.stream, req.include_usage, lp, req.priority, cache_salt=req.cache_salt,
+                        tools=params.tool_setup(req))
 
     def _choices(self, req: Any, prompts: list[list[int]], default_max: int | None, logprobs: int | None,
                  max_tokens: int | None = None) -> list[params.ChoiceSpec]:
@@ -236,7 +240,12 @@ class Serving:
             text = "".join(st.text)
             if prep.kind == "chat":
                 lp = self._logprobs_body(prep, st, st.logprobs)
-                choices.append(responses.chat_choice(st.index, text, st.finish_reason, lp))
+                calls: list[dict[str, Any]] = []
+                content: str | None = text
+                if prep.tools is not None:
+                    content, calls = parse_calls(text, prep.tools)
+                reason = "tool_calls" if calls and st.finish_reason == "stop" else st.finish_reason
+                choices.append(responses.chat_choice(st.index, content, reason, lp, calls))
             else:
                 if prep.echo_texts is not None:
                     st.text_offset = len(prep.echo_texts[st.prompt_index])
@@ -250,6 +259,7 @@ class Serving:
         rid, created, model = prep.request_id, prep.created, prep.model
         states = self._states(prep)
         chat = prep.kind == "chat"
+        calls = {st.index: CallStream(prep.tools) for st in states.values()} if prep.tools is not None else {}
         try:
             head = []
             for st in sorted(states.values(), key=lambda s: s.index):
@@ -276,7 +286,11 @@ class Serving:
                         continue  # text held back (possible stop string): nothing to say yet
                     lp = self._logprobs_body(prep, st, out.logprobs or [])
                     if chat:
-                        delta = {"content": out.text_delta} if out.text_delta else {}
+                        delta = self._chat_delta(calls.get(st.index), out.text_delta, reason is not None)
+                        if reason == "stop" and st.index in calls and calls[st.index].count:
+                            reason = "tool_calls"
+                        if not delta and not lp and reason is None:
+                            continue
                         chunk = responses.chat_chunk(rid, created, model, st.index, delta, reason, lp)
                     else:
                         chunk = responses.completion_chunk(
@@ -295,6 +309,21 @@ class Serving:
             yield responses.SSE_DONE
         finally:
             self.aengine.release(group)
+
+
+    @staticmethod
+    def _chat_delta(calls: CallStream | None, text: str, last: bool) -> dict[str, Any]:
+        """A chat chunk's delta: the text, or with tools the text outside ``<tool_call>`` blocks
+        and each call once its block closed."""
+        if calls is None:
+            return {"content": text} if text else {}
+        content, found = calls.feed(text)
+        if last:
+            content += calls.finish()
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if found:
+            delta["tool_calls"] = found
+        return delta
 
 
 @functools.lru_cache(maxsize=8)

@@ -103,10 +103,12 @@ def chat_body(rid: str, created: int, model: str, choices: list[dict[str, Any]],
             "choices": choices, "usage": usage_}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None,
-                logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_choice(index: int, text: str | None, finish_reason: str | None,
+                logprobs: dict[str, Any] | None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any],

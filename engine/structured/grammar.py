@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+_GBNF_RULE = re.compile(r"(?m)^\s*[\w-]+\s*::=")  # a GBNF rule line; Lark rules use "name:"
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 20
 
@@ -84,7 +85,7 @@ def grammar_text(spec: StructuredOutput) -> str:
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
             try:
-                text = gbnf_to_lark(spec.value) if "::=" in spec.value else spec.value
+                text = gbnf_to_lark(spec.value) if _GBNF_RULE.search(spec.value) else spec.value
             except Exception as e:  # noqa: BLE001 - the converter raises bare Exceptions for bad input
                 raise ValueError(f"not a valid GBNF grammar: {e}") from None
             return llguidance.LLMatcher.grammar_from_lark(text)

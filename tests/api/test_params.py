@@ -71,7 +71,6 @@ def test_sampling_params_range_errors_name_the_parameter(field, value):
 
 
 @pytest.mark.parametrize("kw,param", [
-    ({"tools": [{"type": "function"}]}, "tools"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_chat_unsupported_or_inconsistent(kw, param):

@@ -209,10 +209,14 @@ def router_tokenizer(router: RouterProcess) -> str:
 
 def test_the_router_tokenizes_exactly_as_the_engines_do(fleet):
     """The router answers /tokenize with the tokenizer it took from the engines: the same tokens,
-    count and context length as an engine gives for the same body, for a prompt and a chat."""
+    count and context length as an engine gives for the same body, for a prompt, a chat and a chat
+    with tools (whose definitions the prompt carries)."""
     engines, router = fleet
     bodies = [{"prompt": SYSTEM + "How are blocks hashed?", "return_token_strs": True},
-              {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]}]
+              {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]},
+              {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [{"type": "function",
+               "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+                   "city": {"type": "string"}}}}}]}]
     for body in bodies:
         mine = httpx.post(router.url("/tokenize"), json=body, timeout=30)
         theirs = httpx.post(engines[0].url("/tokenize"), json=body, timeout=30)

@@ -276,6 +276,54 @@ def test_json_object_choice_and_regex_constrain_both_apis(client):
     assert re.fullmatch("[A-Z]{2}[0-9]{3,4}", code.choices[0].text)
 
 
+_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_a_named_tool_call_has_arguments_of_the_functions_schema(client):
+    """tool_choice naming a function is enforced by grammar: the call names it and its arguments
+    parse into the schema's object, streamed or not (the official client's typed objects)."""
+    msgs = _chat("What is the weather like in Paris today?")
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[_WEATHER], tool_choice=choice,
+                                       temperature=0, max_tokens=60)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    call = c.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and call.id.startswith("call_") and call.type == "function"
+    assert set(args) == {"city", "unit"} and isinstance(args["city"], str) and args["unit"] in ("celsius", "fahrenheit")
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, tools=[_WEATHER], tool_choice=choice,
+                                            temperature=0, max_tokens=60, stream=True)
+    deltas, reasons = [], []
+    for chunk in stream:
+        for ch in chunk.choices:
+            deltas += ch.delta.tool_calls or []
+            reasons.append(ch.finish_reason)
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("get_weather", args)]
+    assert reasons[-1] == "tool_calls"
+    required = client.chat.completions.create(model=MODEL, messages=msgs, tools=[_WEATHER], tool_choice="required",
+                                              temperature=0.8, seed=3, max_tokens=80)
+    assert required.choices[0].message.tool_calls, required.choices[0]
+
+
+def test_a_tool_result_in_the_history_is_answered(client, server):
+    """An assistant turn with tool_calls and a tool turn render into the prompt (the generic
+    format: the default model's template has no tools); the model answers in text."""
+    msgs = [*_chat("What is the weather like in Paris today?"),
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 degrees"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[_WEATHER], temperature=0, max_tokens=40)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    counted = httpx.post(server.url("/tokenize"), json={"messages": msgs, "tools": [_WEATHER]}, timeout=60).json()
+    bare = httpx.post(server.url("/tokenize"), json={"messages": msgs}, timeout=60).json()
+    assert counted["count"] == r.usage.prompt_tokens > bare["count"], "the tool definitions are part of the prompt"
+
+
 def test_tokenize_counts_what_generation_bills_and_detokenize_inverts_it(server, client):
     msgs = _chat(QUESTIONS[1])
     r = httpx.post(server.url("/tokenize"), json={"model": MODEL, "messages": msgs}, timeout=60).json()
@@ -379,7 +427,10 @@ BAD_INPUTS = [
     ("logit-bias-out-of-vocab", _CHAT, {"messages": _OK_MSGS, "logit_bias": {"60000": 1}}, 400,
      "invalid_request", None, "49152"),
     ("tools", _CHAT, {"messages": _OK_MSGS, "tools": [{"type": "function"}]}, 400,
-     "unsupported_parameter", "tools", None),
+     "invalid_request", "tools.0", None),
+    ("tool-choice-unknown", _CHAT, {"messages": _OK_MSGS, "tools": [_WEATHER],
+                                    "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
+     "invalid_request", "tool_choice", "not in tools"),
     ("too-many-stops", _CHAT, {"messages": _OK_MSGS, "stop": ["a"] * 17}, 400, "invalid_request", "stop", None),
     ("empty-stop-string", _CHAT, {"messages": _OK_MSGS, "stop": [""]}, 400, "invalid_request", None, "stop"),
     ("stream-options-type", _CHAT, {"messages": _OK_MSGS, "stream_options": 3}, 400, "invalid_request",
