@@ -25,7 +25,11 @@ from tests.support.fuzz_json import JSON, SCHEMA, SMALL_INT
 from tests.support.waits import wait_for
 
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "robot"]) | JSON},
-                                optional={"content": st.text(max_size=30) | JSON, "name": JSON})
+                                optional={"content": st.text(max_size=30) | JSON, "name": JSON,
+                                          "tool_calls": st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries(
+                                              {"name": st.text(max_size=4)}, optional={"arguments": st.text(max_size=8)
+                                                                                      | JSON})}) | JSON, max_size=2)
+                                          | JSON})
 FIELDS = {
     "model": st.sampled_from(["fake-model", "other"]) | JSON,
     "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 400), max_size=8) | JSON,
@@ -40,7 +44,13 @@ FIELDS = {
     "logit_bias": st.dictionaries(st.text(max_size=4), st.floats(-200, 200), max_size=3) | JSON,
     "presence_penalty": st.floats(-3, 3) | JSON, "frequency_penalty": st.floats(-3, 3) | JSON,
     "echo": st.booleans() | JSON, "ignore_eos": st.booleans() | JSON, "priority": SMALL_INT | JSON,
-    "cache_salt": st.text(max_size=300) | JSON, "user": JSON, "tools": JSON,
+    "cache_salt": st.text(max_size=300) | JSON, "user": JSON,
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "get_weather", "bad name", ""]) | st.text(max_size=6)},
+        optional={"parameters": SCHEMA, "description": st.text(max_size=8) | JSON})}) | JSON, max_size=3) | JSON,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"])})}) | JSON,
+    "parallel_tool_calls": st.booleans() | JSON,
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])},
                                              optional={"json_schema": st.fixed_dictionaries({"schema": SCHEMA})})
     | JSON,
