@@ -282,3 +282,23 @@ def test_a_transfer_belongs_to_the_connection_of_its_last_message_and_pushes_ext
     assert tr.drop_owner(conn_b) == ["t"] and len(tr) == 0
     assert not d.kv.requests
     d.check_integrity()
+
+
+def test_a_constrained_request_continues_its_grammar_on_the_decode_engine(model_dir, loaded):  # noqa: F811
+    """The prefill engine samples the first token under the grammar; the decode engine's matcher
+    consumes that token first, so the handed-off answer is the colocated engine's, valid JSON."""
+    import json
+
+    from kvmesh.engine.structured.grammar import StructuredOutput
+
+    schema = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}, "n": {"type": "integer", "maximum": 99}},
+              "required": ["k", "n"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured=StructuredOutput.json_schema(schema, "x"))
+    alone = tiny_engine(model_dir, loaded, num_kv_blocks=64)
+    want = alone.generate([PROMPTS[0]], params)[0]
+    p = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    d = tiny_engine(model_dir, loaded, num_kv_blocks=64).engine
+    _, _, toks = handoff_once(p, d, 0, PROMPTS[0], params)
+    assert toks == want.token_ids and want.finish_reason == "stop"
+    doc = json.loads(d.tokenizer.decode(toks))
+    assert set(doc) == {"k", "n"} and doc["k"] in ("a", "b")
