@@ -316,6 +316,7 @@ class LLMEngine:
             handoff_sent=prefill.from_block if prefill else 0,
             kv_root=chain_root(cache_salt),
             grammar=GrammarState(self.grammars.matcher(params.structured)) if params.structured else None,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
         req.stream = RequestStream(self.tokenizer, req.prompt_token_ids, params)
         with self._lock:

@@ -55,6 +55,9 @@ class RequestOutput:
     num_output_tokens: int = -1  # -1: take len(output_token_ids)
     error: str | None = None  # set only with finish_reason "error"
     handoff: Any = None  # prefill role: the KVHandoff of a request that finished with "transfer"
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With ``SamplingParams.prompt_logprobs``, on the output of the first token only: prompt
+    tokens 1..n-1 (the first has none)."""
 
     def __post_init__(self) -> None:
         if self.num_output_tokens < 0:

@@ -55,6 +55,9 @@ class Request:
     transferred: bool = False
     """Decode role: the prompt's KV arrived by transfer; it holds every block it will need and is
     never chosen as a preemption victim."""
+    prompt_logprobs: list[Any] | None = None
+    """With ``params.prompt_logprobs``: a ``TokenLogprob`` per prompt position after the first,
+    appended as prefill computes them (complete once len == num_prompt_tokens - 1)."""
     grammar: Any = None
     """A ``structured.masking.GrammarState`` when the output is constrained, else None."""
     # Engine-side streaming state (detokenizer, stop checker, emitted offsets).
@@ -75,6 +78,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def collects_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are wanted and not all computed yet: no prefix-cache hits for it."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

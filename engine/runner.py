@@ -11,6 +11,7 @@ import torch
 
 from kvmesh.engine.cuda_graphs import CudaGraphDecoder
 from kvmesh.engine.logits_processing import LogitsProcessor
+from kvmesh.engine.prompt_logprobs import prompt_logprob_rows
 from kvmesh.engine.structured.masking import GrammarMasks
 from kvmesh.engine.model.attention import AttnMetadata
 from kvmesh.engine.model.llama import LlamaModel
@@ -105,7 +106,13 @@ class ModelRunner:
         if len(producing) < len(out.seqs):
             last = last[torch.tensor(producing, dtype=torch.int64, device=last.device)]
         g = self.graphs
-        if g is not None and out.num_decodes == len(out.seqs) and g.padded_size(len(out.seqs)):
+        wanted = prompt_logprob_rows(out, meta.query_start_loc)
+        if wanted is not None:  # prompt rows too: kept after the sampling rows
+            rows = torch.tensor(wanted.rows, dtype=torch.int64, device=last.device)
+            hidden = self.model.forward(ids, meta, self.kv_cache, keep=torch.cat([last, rows]))
+            wanted.record(self.model, hidden[len(producing):])
+            hidden = hidden[:len(producing)]
+        elif g is not None and out.num_decodes == len(out.seqs) and g.padded_size(len(out.seqs)):
             hidden = g.run(ids, meta)[last]
         elif len(producing) == ids.shape[0]:  # decode-only step: every row is kept, in order
             hidden = self.model.forward(ids, meta, self.kv_cache)

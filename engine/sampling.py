@@ -55,6 +55,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    """None for none, else the logprob of every prompt token after the first with this many top
+    alternatives (0 = the prompt token only); such a request skips prefix-cache hits (a cached
+    position has no logits)."""
     structured: StructuredOutput | None = None
     """A grammar the output must match (engine/structured): valid by construction, ending with
     "stop" when the grammar is complete."""
@@ -89,6 +93,10 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidSamplingParams("stop_token_ids must be a list of non-negative integers")
         self._validate_logit_controls()
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS):
+            raise InvalidSamplingParams(f"prompt_logprobs must be None or an integer between 0 and "
+                                        f"{self.MAX_LOGPROBS}, got {self.prompt_logprobs!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidSamplingParams(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         for name in ("ignore_eos", "include_stop_str_in_output"):

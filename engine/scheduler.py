@@ -217,10 +217,13 @@ class Scheduler:
                 req = self._peek_waiting()
                 if req is None:
                     break
-                computed_blocks, num_computed = self.kv.get_computed_blocks(req.request_id, req.all_token_ids,
-                                                                            req.kv_root)
+                if req.collects_prompt_logprobs:  # every prompt position's logits are computed
+                    computed_blocks, num_computed = [], 0
+                else:
+                    computed_blocks, num_computed = self.kv.get_computed_blocks(req.request_id, req.all_token_ids,
+                                                                                req.kv_root)
                 hits = None
-                if self.tiers is not None and self.kv.enable_caching:
+                if self.tiers is not None and self.kv.enable_caching and not req.collects_prompt_logprobs:
                     hits = self.tiers.lookup(req.request_id, req.num_tokens, len(computed_blocks))
                     if hits is None:  # a cache-node fetch is in flight: let the others run
                         heapq.heappop(self._waiting)

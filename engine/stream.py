@@ -80,7 +80,10 @@ class RequestStream:
             req.stop_reason = stop_reason
             if stop_reason is None or isinstance(stop_reason, int):
                 self.text += self.detok.finish()  # flush bytes held for a partial character
-        return self._output(req, [token], [lp] if lp is not None else None, reason is not None, reason, stop_reason)
+        out = self._output(req, [token], [lp] if lp is not None else None, reason is not None, reason, stop_reason)
+        if req.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+            out.prompt_logprobs = req.prompt_logprobs
+        return out
 
     def abort_output(self, req: Request) -> RequestOutput:
         return self._output(req, [], None, True, "abort", None)

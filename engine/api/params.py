@@ -118,8 +118,9 @@ def check_completion_unsupported(req: CompletionRequest) -> None:
         raise errors.unsupported_parameter("suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise errors.unsupported_parameter("best_of", "it must equal n when given")
-    if req.echo and req.logprobs is not None:
-        raise errors.unsupported_parameter("echo", "prompt logprobs are not available; drop logprobs or echo")
+    if req.echo and req.logprobs is not None and req.stream:
+        raise errors.unsupported_parameter("echo", "echo with logprobs is served without streaming; "
+                                           "send stream=false, or prompt_logprobs with the stream")
 
 
 def check_chat_unsupported(req: ChatCompletionRequest) -> None:
@@ -259,6 +260,15 @@ def structured_output(req: _SamplingFields) -> StructuredOutput | None:
         raise errors.invalid_request(str(e), e.param) from None
 
 
+def prompt_logprobs(req: _SamplingFields) -> int | None:
+    """How many top alternatives to score each prompt token with (None: not scored): vLLM's
+    ``prompt_logprobs``, or completions' ``echo`` with ``logprobs``, which reports the prompt's."""
+    want = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        want = max(want or 0, req.logprobs)
+    return want
+
+
 def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """The engine's parameters for choice 0 of `req`; raises a 400 naming the bad parameter."""
     params = SamplingParams(
@@ -278,6 +288,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None)
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=logit_bias(req),
         min_tokens=req.min_tokens,
+        prompt_logprobs=prompt_logprobs(req),
         allowed_token_ids=None if req.allowed_token_ids is None else list(req.allowed_token_ids),
         structured=structured_output(req),
     )

@@ -61,6 +61,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     repetition_penalty: float | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
     priority: int = 0

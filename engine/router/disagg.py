@@ -80,7 +80,8 @@ RELAY = "relayed"
 STAGE1_OUTCOMES = (OK, NO_ROOM, DECODE_FAILED, DECODE_REFUSED, PREFILL_FAILED, RELAY)
 
 # Why a request is served plain by a decode engine (kvmesh_router_pd_fallback_total{reason}).
-FALLBACK_REASONS = ("no_prefill", "prefill_failed", "n_gt_1", "multi_prompt", "unparsed", "decode_not_receiving")
+FALLBACK_REASONS = ("no_prefill", "prefill_failed", "n_gt_1", "multi_prompt", "prompt_logprobs", "unparsed",
+                    "decode_not_receiving")
 
 STAGE2_RETRY_STATUSES = proxy.RETRY_STATUSES | {409}
 """Stage-2 answers that start the request over instead of reaching the client (409 only with
@@ -175,6 +176,8 @@ def prepare_body(path: str, body: bytes) -> PreparedBody:
         return PreparedBody(fallback="n_gt_1")
     if path == COMPLETIONS and _is_batch(doc.get("prompt")):
         return PreparedBody(fallback="multi_prompt")
+    if doc.get("prompt_logprobs") is not None or (doc.get("echo") is True and doc.get("logprobs") is not None):
+        return PreparedBody(fallback="prompt_logprobs")  # the prompt is scored where it is computed
     doc.pop(KV_TRANSFER_PARAMS, None)
     return PreparedBody(_encode(doc)[:-1], bool(doc))
 

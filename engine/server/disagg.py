@@ -100,6 +100,9 @@ class DisaggServing:
     # ---- requests -------------------------------------------------------------------------------
     async def respond(self, prep: Prepared, kvp: KVTransferParams, request: Request,
                       arrival: float) -> Response | EventStreamResponse:
+        if any(c.params.prompt_logprobs is not None for c in prep.choices):
+            raise _err("prompt logprobs are not served with prefill/decode disaggregation: the prompt is "
+                       "scored on the prefill engine; send the request to a colocated pool", 400, "invalid_request")
         if len(prep.choices) != 1:
             raise _err("a KV transfer carries one sequence; send n > 1 (or several prompts) to a decode or "
                        "colocated engine directly", 400, "n_not_supported")

@@ -50,6 +50,8 @@ class Prepared:
     """The request's prefix-cache namespace (``block_hash.chain_root``)."""
     tools: ToolSetup | None = None
     """Chat with tools: calls are parsed out of each choice's text (api/tools.py)."""
+    report_prompt_logprobs: bool = False
+    """The request asked for vLLM's ``prompt_logprobs``: each choice carries them."""
 
     def seq_id(self, index: int) -> str:
         return f"{self.request_id}-{index}"
@@ -67,6 +69,7 @@ class ChoiceState:
     num_cached: int = 0
     finish_reason: str | None = None
     text_offset: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def engine_error(exc: Exception, prompt_param: str = "messages") -> APIError:
@@ -125,7 +128,8 @@ class Serving:
         if req.echo:
             echo = [p if isinstance(p, str) else tok.decode(p) for p in req.prompts()]
         return Prepared("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, prompts, choices,
-                        req.stream, req.include_usage, req.logprobs, req.priority, echo, req.cache_salt)
+                        req.stream, req.include_usage, req.logprobs, req.priority, echo, req.cache_salt,
+                        report_prompt_logprobs=req.prompt_logprobs is not None)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         model = self._model(req.model)
@@ -136,7 +140,7 @@ class Serving:
         choices = self._choices(req, [ids], None, lp, max_tokens)
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, [ids], choices,
                         req.stream, req.include_usage, lp, req.priority, cache_salt=req.cache_salt,
-                        tools=params.tool_setup(req))
+                        tools=params.tool_setup(req), report_prompt_logprobs=req.prompt_logprobs is not None)
 
     def _choices(self, req: Any, prompts: list[list[int]], default_max: int | None, logprobs: int | None,
                  max_tokens: int | None = None) -> list[params.ChoiceSpec]:
@@ -219,6 +223,8 @@ class Serving:
             raise errors.engine_failed(out.error or "the request failed")
         st.num_tokens = out.num_output_tokens
         st.num_cached = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            st.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             st.finish_reason = out.finish_reason
 
@@ -251,7 +257,14 @@ class Serving:
                     st.text_offset = len(prep.echo_texts[st.prompt_index])
                     text = prep.echo_texts[st.prompt_index] + text
                 lp = self._logprobs_body(prep, st, st.logprobs)
+                if lp is not None and prep.echo_texts is not None and st.prompt_logprobs is not None:
+                    head = responses.completion_prompt_logprobs(prep.prompts[st.prompt_index], st.prompt_logprobs,
+                                                                self._token_text(), prep.num_top_logprobs or 0)
+                    lp = {k: head[k] + lp[k] for k in lp}
                 choices.append(responses.completion_choice(st.index, text, st.finish_reason, lp))
+            if prep.report_prompt_logprobs:
+                choices[-1]["prompt_logprobs"] = responses.prompt_logprobs_list(st.prompt_logprobs or [],
+                                                                                self._token_text())
         body = responses.chat_body if prep.kind == "chat" else responses.completion_body
         return body(prep.request_id, prep.created, prep.model, choices, self._usage(prep, states))
 
@@ -282,19 +295,23 @@ class Serving:
                     st = states[out.request_id]
                     self._absorb(st, out)
                     reason = out.finish_reason if out.finished else None
-                    if not out.text_delta and not out.logprobs and reason is None:
+                    scored = prep.report_prompt_logprobs and out.prompt_logprobs is not None
+                    if not out.text_delta and not out.logprobs and reason is None and not scored:
                         continue  # text held back (possible stop string): nothing to say yet
                     lp = self._logprobs_body(prep, st, out.logprobs or [])
                     if chat:
                         delta = self._chat_delta(calls.get(st.index), out.text_delta, reason is not None)
                         if reason == "stop" and st.index in calls and calls[st.index].count:
                             reason = "tool_calls"
-                        if not delta and not lp and reason is None:
+                        if not delta and not lp and reason is None and not scored:
                             continue
                         chunk = responses.chat_chunk(rid, created, model, st.index, delta, reason, lp)
                     else:
                         chunk = responses.completion_chunk(
                             rid, created, model, responses.completion_choice(st.index, out.text_delta, reason, lp))
+                    if scored:
+                        chunk["choices"][0]["prompt_logprobs"] = responses.prompt_logprobs_list(
+                            out.prompt_logprobs, self._token_text())
                     parts.append(responses.sse(chunk))
                 if parts:
                     yield b"".join(parts)

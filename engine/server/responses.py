@@ -74,6 +74,29 @@ def completion_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText, 
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, text_offset
 
 
+def completion_prompt_logprobs(prompt_ids: Sequence[int], entries: Sequence[TokenLogprob], token_text: TokenText,
+                               num_top: int) -> dict[str, Any]:
+    """The echoed prompt's part of the legacy logprobs: its first token has none (null), as OpenAI
+    reports it; offsets count from the start of the prompt."""
+    first = token_text(prompt_ids[0])
+    body, _ = completion_logprobs(entries, token_text, len(first), num_top)
+    return {"tokens": [first, *body["tokens"]], "token_logprobs": [None, *body["token_logprobs"]],
+            "top_logprobs": [None, *body["top_logprobs"]], "text_offset": [0, *body["text_offset"]]}
+
+
+def prompt_logprobs_list(entries: Sequence[TokenLogprob], token_text: TokenText) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first token, then per token a map from token id to
+    {logprob, decoded_token} (and ``rank`` for the top alternatives), the prompt's own token first."""
+    out: list[dict[str, Any] | None] = [None]
+    for e in entries:
+        d = {str(e.token_id): {"logprob": _finite(e.logprob), "decoded_token": token_text(e.token_id)}}
+        for rank, (tid, lp) in enumerate(e.top, 1):
+            entry = d.setdefault(str(tid), {"logprob": _finite(lp), "decoded_token": token_text(tid)})
+            entry["rank"] = rank
+        out.append(d)
+    return out
+
+
 def _finite(x: float) -> float:
     # JSON has no -inf; OpenAI clients expect a number. -9999 is what other servers send.
     return x if x > -9999.0 else -9999.0

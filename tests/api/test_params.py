@@ -107,7 +107,7 @@ def test_logit_controls_out_of_range_are_400s_with_the_range(kw, param, text):
 
 
 @pytest.mark.parametrize("kw,param", [({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
-                                      ({"echo": True, "logprobs": 1}, "echo")])
+                                      ({"echo": True, "logprobs": 1, "stream": True}, "echo")])
 def test_completion_unsupported(kw, param):
     with pytest.raises(APIError) as e:
         params.check_completion_unsupported(CompletionRequest(prompt="x", **kw))
@@ -232,3 +232,13 @@ def test_malformed_structured_outputs_are_400s_naming_the_field(kw, param, text)
         params.check_chat_unsupported(req)
         params.sampling_params(req, 4, None)
     assert e.value.status == 400 and e.value.param == param and text in e.value.message
+
+
+def test_echo_with_logprobs_scores_the_prompt():
+    p = params.sampling_params(CompletionRequest(prompt="x", echo=True, logprobs=3), 4, 3)
+    assert p.prompt_logprobs == 3
+    assert params.sampling_params(CompletionRequest(prompt="x", logprobs=3), 4, 3).prompt_logprobs is None
+    assert params.sampling_params(chat(prompt_logprobs=0), 4, None).prompt_logprobs == 0
+    with pytest.raises(APIError) as e:
+        params.sampling_params(chat(prompt_logprobs=21), 4, None)
+    assert e.value.param == "prompt_logprobs"

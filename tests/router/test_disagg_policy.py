@@ -92,6 +92,8 @@ def test_prepare_body_strips_the_clients_transfer_params_and_adds_the_routers():
     (CHAT, {"messages": [], "n": 4}, "n_gt_1"),
     (COMPLETIONS, {"prompt": ["a", "b"]}, "multi_prompt"),
     (COMPLETIONS, {"prompt": [[1, 2], [3]]}, "multi_prompt"),
+    (COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}, "prompt_logprobs"),
+    (CHAT, {"messages": [], "prompt_logprobs": 0}, "prompt_logprobs"),
     (COMPLETIONS, b"{not json", "unparsed"),
     (COMPLETIONS, [1, 2], "unparsed"),
 ])

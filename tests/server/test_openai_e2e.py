@@ -324,6 +324,29 @@ def test_a_tool_result_in_the_history_is_answered(client, server):
     assert counted["count"] == r.usage.prompt_tokens > bare["count"], "the tool definitions are part of the prompt"
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, server, offline):
+    """Completions' echo + logprobs carries the prompt's tokens (the first without a logprob, as
+    OpenAI sends it) then the completion's; vLLM's prompt_logprobs gives the same values."""
+    text = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    ids = offline.engine.tokenizer.encode(text)
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert r.choices[0].text.startswith(text) and lp.text_offset[0] == 0
+    eng = offline.engine
+    eng.add_request("plp", ids, _greedy(max_tokens=1, prompt_logprobs=2))
+    want = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            want = o.prompt_logprobs or want
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx([e.logprob for e in want], abs=1e-4)
+    raw = httpx.post(server.url("/v1/chat/completions"), timeout=60, json={
+        "messages": _chat("Hi"), "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}).json()
+    plp = raw["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == raw["usage"]["prompt_tokens"]
+    assert all(1 <= len(d) <= 2 and all("logprob" in v and "decoded_token" in v for v in d.values()) for d in plp[1:])
+
+
 def test_tokenize_counts_what_generation_bills_and_detokenize_inverts_it(server, client):
     msgs = _chat(QUESTIONS[1])
     r = httpx.post(server.url("/tokenize"), json={"model": MODEL, "messages": msgs}, timeout=60).json()
@@ -419,6 +442,8 @@ BAD_INPUTS = [
      "49152"),
     ("empty-prompt", _CMPL, {"prompt": "", "max_tokens": 1}, 400, "invalid_request", "prompt", "empty"),
     ("missing-prompt", _CMPL, {"max_tokens": 1}, 400, "invalid_request", "prompt", "missing"),
+    ("echo-logprobs-stream", _CMPL, {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400,
+     "unsupported_parameter", "echo", "without streaming"),
     ("logprobs-too-many", _CMPL, {"prompt": "x", "logprobs": 50}, 400, "invalid_request", "logprobs", None),
     ("top-logprobs-without-logprobs", _CHAT, {"messages": _OK_MSGS, "top_logprobs": 2}, 400,
      "invalid_request", "top_logprobs", None),
