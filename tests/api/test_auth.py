@@ -21,6 +21,7 @@ from kvmesh.engine.api.auth import (
     ("/health", OPEN), ("/ready", OPEN), ("/metrics", OPEN),
     ("/admin/drain", INTERNAL), ("/kv/info", INTERNAL), ("/kv/snapshot", INTERNAL), ("/kv/tokenizer", INTERNAL),
     ("/v1/chat/completions", CLIENT), ("/v1/models", CLIENT), ("/metrics/x", CLIENT), ("/kvx", CLIENT),
+    ("/tokenize", CLIENT), ("/detokenize", CLIENT),
 ])
 def test_each_path_needs_one_access(path, access):
     assert access_for(path) == access
