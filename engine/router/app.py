@@ -286,11 +286,14 @@ class RouterApp:
         and context length the engines serve (their /kv/info); else relayed to an engine."""
         assert self.fleet is not None
         infos = [st.info for st in self.fleet.engines.values() if st.healthy and st.info]
-        names = sorted({n for i in infos for n in i.get("served_model_names") or ()})
+        # /kv/info comes from the network: only well-typed values count.
+        names = sorted({n for i in infos if isinstance(i.get("served_model_names"), list)
+                        for n in i["served_model_names"] if isinstance(n, str)})
         if self.tokenizer is None or not names:
             await self._relay("POST", path, body, send)
             return
-        lengths = [int(i["max_model_len"]) for i in infos if i.get("max_model_len")]
+        lengths = [i["max_model_len"] for i in infos
+                   if isinstance(i.get("max_model_len"), int) and not isinstance(i["max_model_len"], bool)]
         run = functools.partial(tokenize_answer, path, body, self.tokenizer, names, min(lengths) if lengths else None)
         out = (await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, run)
                if len(body) > OFFLOAD_BODY_BYTES else run())
