@@ -37,6 +37,7 @@ class GenerationResult:
     num_cached_tokens: int
     logprobs: list[TokenLogprob] | None
     metrics: RequestMetrics
+    prompt_logprobs: list[TokenLogprob] | None = None  # with SamplingParams.prompt_logprobs
 
 
 class LLM:
@@ -92,6 +93,7 @@ class LLM:
     def _run(self, prompt_ids: dict[str, list[int]]) -> dict[str, GenerationResult]:
         results: dict[str, GenerationResult] = {}
         logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in prompt_ids}
+        scored: dict[str, list[TokenLogprob]] = {}
         idle = 0
         while len(results) < len(prompt_ids):
             before = self.engine.num_steps
@@ -116,6 +118,8 @@ class LLM:
                     raise RequestFailedError(f"request {out.request_id} failed: {out.error}")
                 if out.logprobs:
                     logprobs[out.request_id].extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    scored[out.request_id] = out.prompt_logprobs
                 if out.finished:
                     results[out.request_id] = GenerationResult(
                         request_id=out.request_id,
@@ -127,6 +131,7 @@ class LLM:
                         num_cached_tokens=out.num_cached_tokens,
                         logprobs=logprobs[out.request_id] or None,
                         metrics=out.metrics,
+                        prompt_logprobs=scored.get(out.request_id),
                     )
         return results
 

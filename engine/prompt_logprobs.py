@@ -19,27 +19,35 @@ SLICE_ROWS = 256
 
 @dataclass
 class PromptRows:
-    """Rows of the step's flat batch to score: ``rows[i]`` predicts prompt token ``targets[i]``
-    of ``owners[i]`` (a Request), whose list it extends in order."""
+    """Rows of the step's flat batch to score, one contiguous run per request: ``segments[i]`` is
+    (request, first row, number of rows), row j of it predicting prompt token ``targets`` of the
+    same place, in order; each request's prompt_logprobs list is extended by its run."""
 
-    rows: list[int]
+    rows: torch.Tensor
     targets: list[int]
-    owners: list[object]
+    segments: list[tuple[object, int]]
 
     def record(self, model, hidden: torch.Tensor) -> None:
-        """hidden [len(rows), hidden] -> a TokenLogprob appended to each owner's prompt_logprobs."""
+        """hidden [len(rows), hidden] -> the TokenLogprobs appended to each request's list."""
         targets = torch.tensor(self.targets, dtype=torch.int64, device=hidden.device)
-        for start in range(0, len(self.rows), SLICE_ROWS):
-            end = min(start + SLICE_ROWS, len(self.rows))
-            logp = torch.log_softmax(model.compute_logits(hidden[start:end]).float(), dim=-1)
-            chosen = logp.gather(1, targets[start:end].unsqueeze(1)).squeeze(1).tolist()
-            owners = self.owners[start:end]
-            k = max(o.params.prompt_logprobs for o in owners)  # type: ignore[attr-defined]
-            top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
-            for j, owner in enumerate(owners):
-                want = owner.params.prompt_logprobs  # type: ignore[attr-defined]
-                top = list(zip(top_i[j, :want].tolist(), top_v[j, :want].tolist())) if want else []
-                owner.prompt_logprobs.append(TokenLogprob(self.targets[start + j], chosen[j], top))  # type: ignore
+        k = max(req.params.prompt_logprobs for req, _ in self.segments)  # type: ignore[attr-defined]
+        chosen: list[float] = []
+        top_i: list[list[int]] = []
+        top_v: list[list[float]] = []
+        for start in range(0, len(self.targets), SLICE_ROWS):
+            logp = torch.log_softmax(model.compute_logits(hidden[start:start + SLICE_ROWS]).float(), dim=-1)
+            chosen += logp.gather(1, targets[start:start + SLICE_ROWS].unsqueeze(1)).squeeze(1).tolist()
+            if k:
+                v, i = logp.topk(k, dim=-1)
+                top_v += v.tolist()
+                top_i += i.tolist()
+        at = 0
+        for req, n in self.segments:
+            want = req.params.prompt_logprobs  # type: ignore[attr-defined]
+            req.prompt_logprobs.extend(  # type: ignore[attr-defined]
+                TokenLogprob(self.targets[j], chosen[j], list(zip(top_i[j][:want], top_v[j][:want])) if want else [])
+                for j in range(at, at + n))
+            at += n
 
 
 def prompt_logprob_rows(out, query_start_loc: torch.Tensor) -> PromptRows | None:
@@ -48,14 +56,16 @@ def prompt_logprob_rows(out, query_start_loc: torch.Tensor) -> PromptRows | None
     if not seqs:
         return None
     starts = query_start_loc.tolist()
-    rows, targets, owners = [], [], []
+    runs, targets, segments = [], [], []
     for i, s in seqs:
-        req = s.request
-        done = len(req.prompt_logprobs)  # positions 1..done are scored: next is position done + 1
-        first = max(s.num_computed_tokens, done)  # a recomputed chunk scores only what is new
-        upto = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
-        for pos in range(first, upto):
-            rows.append(starts[i] + pos - s.num_computed_tokens)
-            targets.append(req.prompt_token_ids[pos + 1])
-            owners.append(req)
-    return PromptRows(rows, targets, owners) if rows else None
+        req, c = s.request, s.num_computed_tokens
+        # Position p predicts prompt token p + 1; positions before len(prompt_logprobs) are scored
+        # already (a recomputed chunk after preemption scores only what is new).
+        first = max(c, len(req.prompt_logprobs))
+        upto = min(c + s.num_new_tokens, req.num_prompt_tokens - 1)
+        if upto <= first:
+            continue
+        runs.append(torch.arange(starts[i] + first - c, starts[i] + upto - c, dtype=torch.int64))
+        targets += req.prompt_token_ids[first + 1:upto + 1]
+        segments.append((req, upto - first))
+    return PromptRows(torch.cat(runs), targets, segments) if runs else None

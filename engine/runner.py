@@ -108,8 +108,7 @@ class ModelRunner:
         g = self.graphs
         wanted = prompt_logprob_rows(out, meta.query_start_loc)
         if wanted is not None:  # prompt rows too: kept after the sampling rows
-            rows = torch.tensor(wanted.rows, dtype=torch.int64, device=last.device)
-            hidden = self.model.forward(ids, meta, self.kv_cache, keep=torch.cat([last, rows]))
+            hidden = self.model.forward(ids, meta, self.kv_cache, keep=torch.cat([last, wanted.rows.to(last.device)]))
             wanted.record(self.model, hidden[len(producing):])
             hidden = hidden[:len(producing)]
         elif g is not None and out.num_decodes == len(out.seqs) and g.padded_size(len(out.seqs)):

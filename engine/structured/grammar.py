@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 _GBNF_RULE = re.compile(r"(?m)^\s*[\w-]+\s*::=")  # a GBNF rule line; Lark rules use "name:"
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 20
 
 
@@ -36,7 +35,7 @@ class InvalidGrammarError(ValueError):
 class StructuredOutput:
     """One constraint on a request's output.
 
-    ``kind`` is one of KINDS; ``value`` is the JSON schema (as canonical JSON text), the regex,
+    ``kind`` is json_schema, json_object, regex, choice or grammar; ``value`` is the JSON schema (as canonical JSON text), the regex,
     the choices (a JSON list of strings), the grammar (Lark, or GBNF/EBNF with ``::=`` rules), or
     "" for json_object. ``param`` is the request field it came from, which errors name.
     """

@@ -25,18 +25,6 @@ def reference(model_dir):
     return out
 
 
-def _run(llm, prompts, params):
-    eng = llm.engine
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, params)
-    got: dict[str, list] = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.prompt_logprobs is not None:
-                got[o.request_id] = o.prompt_logprobs
-    return [got[f"r{i}"] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("cfg", [{}, {"max_num_batched_tokens": 8}, {"num_kv_blocks": 30}])
 def test_prompt_logprobs_equal_transformers_in_every_mode(model_dir, loaded, reference, cfg):
     """Plain, 8-token chunks, and a pool small enough to preempt; the shared 40-token prefix is
@@ -45,7 +33,8 @@ def test_prompt_logprobs_equal_transformers_in_every_mode(model_dir, loaded, ref
     llm = tiny_engine(model_dir, loaded, **cfg)
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0.0))  # cache the prefix
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
-    for prompt, ref, got in zip(PROMPTS, reference, _run(llm, PROMPTS, params)):
+    for prompt, ref, res in zip(PROMPTS, reference, llm.generate(PROMPTS, params)):
+        got = res.prompt_logprobs
         assert [e.token_id for e in got] == prompt[1:]
         want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
         torch.testing.assert_close(torch.tensor([e.logprob for e in got]), want, rtol=0, atol=1e-4)

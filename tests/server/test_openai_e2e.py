@@ -333,12 +333,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, server,
     ids = offline.engine.tokenizer.encode(text)
     assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert r.choices[0].text.startswith(text) and lp.text_offset[0] == 0
-    eng = offline.engine
-    eng.add_request("plp", ids, _greedy(max_tokens=1, prompt_logprobs=2))
-    want = None
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            want = o.prompt_logprobs or want
+    want = offline.generate([ids], _greedy(max_tokens=1, prompt_logprobs=2))[0].prompt_logprobs
     assert lp.token_logprobs[1:len(ids)] == pytest.approx([e.logprob for e in want], abs=1e-4)
     raw = httpx.post(server.url("/v1/chat/completions"), timeout=60, json={
         "messages": _chat("Hi"), "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}).json()
