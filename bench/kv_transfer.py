@@ -1,13 +1,23 @@
-"""KV block transfer throughput: a `kvmesh cache-node` process and this one, against a plain socket.
+"""KV block transfer throughput: a `kvmesh cache-node` process and this one, beside memcpy and a plain socket.
 
 Moves ``--tokens`` tokens of KV in the default model's geometry (30 layers x K,V x 3 heads x 64
-dims x bf16 = 23,040 bytes a token; 16-token blocks) as one batched put and one batched get, and
-the same bytes through a plain loopback TCP socket between two processes (sendall / recv_into
-into preallocated buffers). Each UCX_TLS setting gets its own node process (UCX reads it at start).
+dims x bf16 = 23,040 bytes a token; 16-token blocks) as one batched put and one batched get, in
+one invocation:
 
-    cd / && /work/main/.venv/bin/python /work/main/bench/kv_transfer.py --tls tcp --tls tcp,sm,self
+* ``memcpy``: one ``np.copyto`` of the same bytes between two touched buffers (one core);
+* ``socket``: a plain loopback TCP socket between two processes (sendall / recv_into into a
+  preallocated buffer);
+* each kvmesh path, with its own node process (UCX reads its settings at start): ``lane`` (the
+  same-host shared-memory lane, chosen automatically on one host) and ``ucx[TLS]`` (the network
+  path alone, lanes off, for each ``--tls``).
 
-Reports the median of ``--repeat`` runs in GB/s (10^9 bytes per second).
+A put stores fresh hashes each round, so it moves every byte; the node's store then allocates
+(``cold``) until it is full, and reuses evicted blocks' memory from the third round on (the
+node's budget holds two rounds): the steady state of a full cache node.
+
+    cd / && /work/main/.venv/bin/python /work/main/bench/kv_transfer.py --tls tcp
+
+Reports the median of ``--repeat`` runs in GB/s (10^9 bytes per second) and % of memcpy.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from kvmesh.engine.block_hash import extra_key, hash_blocks
 from kvmesh.engine.transfer.buffers import KVBlock
 from kvmesh.engine.transfer.client import KVClient
 from kvmesh.engine.transfer.header import BlockHeader, kv_layout
+from kvmesh.engine.transfer.ucx_env import apply_ucx_defaults
 from kvmesh.engine.util.localproc import free_ports, wait_ready
 
 BLOCK_SIZE = 16
@@ -67,6 +78,17 @@ def socket_gbps(nbytes: int, repeat: int) -> list[float]:
     return out
 
 
+def memcpy_gbps(nbytes: int, repeat: int) -> list[float]:
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        out.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return out
+
+
 def make_blocks(tokens: int) -> list[KVBlock]:
     extra = extra_key("bench-model", "bfloat16")
     layout = kv_layout(extra, "bfloat16", BLOCK_SIZE, 30, 3, 64)
@@ -79,15 +101,18 @@ def make_blocks(tokens: int) -> list[KVBlock]:
     return out
 
 
-def ucx_gbps(tls: str, blocks: list[KVBlock], repeat: int) -> dict[str, list[float]]:
+def path_gbps(path: str, blocks: list[KVBlock], repeat: int) -> dict[str, list[float]]:
+    """``path``: ``lane`` or ``ucx[TLS]``; this process is the engine's side (its defaults applied)."""
+    tls = "tcp" if path == "lane" else path.removeprefix("ucx[").removesuffix("]")
     http_port, ucx_port = free_ports(2)
-    env = dict(os.environ, UCX_TLS=tls, UCX_WARN_UNUSED_ENV_VARS="n")
+    # This process's ucxx context is created by the first client below, so these still apply.
+    os.environ.update(UCX_TLS=tls, UCX_WARN_UNUSED_ENV_VARS="n", KVMESH_KV_SHM="1" if path == "lane" else "0")
+    apply_ucx_defaults()
     kvmesh = str(Path(sys.executable).with_name("kvmesh"))
     nbytes = sum(b.nbytes for b in blocks)
-    node = subprocess.Popen([kvmesh, "cache-node", "--memory", str(4 * nbytes), "--host", "127.0.0.1",
-                             "--port", str(http_port), "--ucx-port", str(ucx_port), "--log-level", "warning"],
-                            env=env)
-    os.environ["UCX_TLS"] = tls  # this process's ucxx context is created by the first client below
+    node = subprocess.Popen([kvmesh, "cache-node", "--memory", str(2 * nbytes), "--max-put", str(2 * nbytes),
+                             "--host", "127.0.0.1", "--port", str(http_port), "--ucx-port", str(ucx_port),
+                             "--log-level", "warning"], env=dict(os.environ))
     try:
         wait_ready(f"http://127.0.0.1:{http_port}/ready", 60, node, what="cache node")
         layout = blocks[0].header.layout
@@ -116,23 +141,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--tls", action="append", default=None, help="UCX_TLS value(s) to try (default: tcp)")
-    ap.add_argument("--one-tls", default=None, help=argparse.SUPPRESS)  # child mode: one setting, JSON out
+    ap.add_argument("--tls", action="append", default=None, help="UCX_TLS value(s) for the network path (default: tcp)")
+    ap.add_argument("--no-lane", action="store_true", help="skip the same-host lane")
+    ap.add_argument("--one-path", default=None, help=argparse.SUPPRESS)  # child mode: one path, JSON out
     args = ap.parse_args()
     blocks = make_blocks(args.tokens)
-    if args.one_tls:
-        print(json.dumps(ucx_gbps(args.one_tls, blocks, args.repeat)))
+    if args.one_path:
+        print(json.dumps(path_gbps(args.one_path, blocks, args.repeat)))
         return
     nbytes = sum(b.nbytes for b in blocks)
     med = statistics.median
+    memcpy = med(memcpy_gbps(nbytes, args.repeat))
     report: dict[str, object] = {"tokens": args.tokens, "blocks": len(blocks), "bytes": nbytes,
-                                 "socket_gbps": round(med(socket_gbps(nbytes, args.repeat)), 3)}
-    for tls in args.tls or ["tcp"]:
-        # A child process per setting: ucxx reads UCX_TLS once, when its context is created.
+                                 "memcpy_gbps": round(memcpy, 3)}
+    sock = med(socket_gbps(nbytes, args.repeat))
+    report["socket"] = {"gbps": round(sock, 3), "pct_memcpy": round(100 * sock / memcpy, 1)}
+    paths = ([] if args.no_lane else ["lane"]) + [f"ucx[{t}]" for t in args.tls or ["tcp"]]
+    for path in paths:
+        # A child process per path: ucxx reads UCX_* once, when its context is created.
         out = subprocess.run([sys.executable, __file__, "--tokens", str(args.tokens), "--repeat", str(args.repeat),
-                              "--one-tls", tls], capture_output=True, text=True, check=True)
+                              "--one-path", path], capture_output=True, text=True, check=True)
         res = json.loads(out.stdout.strip().splitlines()[-1])
-        report[f"ucx[{tls}]"] = {f"{k}_gbps": round(med(v), 3) for k, v in res.items()}
+        report[path] = {f"{k}_{what}": round(v, 3 if what == "gbps" else 1) for k, runs in res.items()
+                        for what, v in (("gbps", med(runs)), ("pct_memcpy", 100 * med(runs) / memcpy))}
     print(json.dumps(report, indent=1))
 
 

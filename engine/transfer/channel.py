@@ -10,20 +10,25 @@ Must run on the event loop that drives ucxx (see ``loop_thread``). Every ucxx fa
 ``PeerGone``; a ``Channel`` that raised is broken and must be aborted, never reused. Every ucxx
 operation is posted through ``posted.post``: a caller that times out or is cancelled stops waiting,
 but the operation (with its buffer) lives until ``abort`` makes UCX complete it.
+
+A channel with a same-host ``lane`` (``shm_lane``) moves payloads through it instead: the three
+payload methods keep their meaning, only the bytes take another road.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 
 import msgspec
 import numpy as np
 from ucxx.exceptions import UCXError
 
-from . import protocol
-from .posted import post
+from . import protocol, shm_lane
 from .errors import PeerGone, ProtocolError, TransferTimeout
+from .posted import post
+from .shm_lane import LaneUnavailable, ShmLane
 
 MAX_CONTROL_BYTES = 64 << 20
 """A control message larger than this is a protocol error (headers of ~100k blocks fit easily)."""
@@ -31,6 +36,10 @@ PAYLOAD_WINDOW = 64
 """Payload messages in flight per direction: enough to keep the wire busy, bounded so a huge batch
 does not post thousands of requests at once."""
 _PAYLOAD_TAG_BASE = 1 << 20  # keeps payload tags apart from the default control tag's hash input
+_THREAD_COPY_BYTES = 1 << 20
+"""Lane copies at least this large run on a worker thread, so the event loop (other connections,
+the other slot's frame) goes on meanwhile; smaller ones cost less than the hop."""
+MIN_LANE_CHUNK, MAX_LANE_CHUNK = 1 << 20, 64 << 20
 
 
 class Channel:
@@ -42,6 +51,8 @@ class Channel:
         self.broken = False
         self.received = 0
         """Control messages received so far (tells a stale connection from a peer that died mid-answer)."""
+        self.lane: ShmLane | None = None
+        """The same-host lane, once ``offer_lane``/``answer_lane`` set one up."""
 
     @property
     def alive(self) -> bool:
@@ -95,12 +106,18 @@ class Channel:
     # ---- payloads -------------------------------------------------------------------------------
     async def send_payloads(self, arrays: Sequence[np.ndarray]) -> None:
         """Send each array as one tag message (tag = its index), at most ``PAYLOAD_WINDOW`` at once."""
+        if self.lane is not None:
+            await self._lane_send(arrays)
+            return
         ep = self._live()
         await self._io(self._windowed([ep.send(a, tag=_PAYLOAD_TAG_BASE + i) for i, a in enumerate(arrays)]),
                        f"sending {len(arrays)} block payloads")
 
     async def recv_payloads_into(self, out: Sequence[np.ndarray]) -> None:
         """Receive one message into each of ``out`` (views of one buffer: a batch lands contiguous)."""
+        if self.lane is not None:
+            await self._lane_recv(out)
+            return
         ep = self._live()
         await self._io(self._windowed([ep.recv(a, tag=_PAYLOAD_TAG_BASE + i) for i, a in enumerate(out)]),
                        f"receiving {len(out)} block payloads")
@@ -108,6 +125,9 @@ class Channel:
     async def recv_payloads(self, sizes: Sequence[int]) -> list[np.ndarray]:
         """Receive one message per size into freshly allocated arrays (the block store keeps them)."""
         out = [np.empty(n, np.uint8) for n in sizes]
+        if self.lane is not None:
+            await self._lane_recv(out)
+            return out
         ep = self._live()
         await self._io(self._windowed([ep.recv(a, tag=_PAYLOAD_TAG_BASE + i) for i, a in enumerate(out)]),
                        f"receiving {len(sizes)} block payloads")
@@ -126,6 +146,95 @@ class Channel:
                 for c in coros[start + PAYLOAD_WINDOW:]:
                     c.close()  # never started: close so Python does not warn about them
                 raise
+
+    # ---- the same-host lane ---------------------------------------------------------------------
+    async def offer_lane(self, chunk_bytes: int = shm_lane.DEFAULT_CHUNK_BYTES) -> bool:
+        """Client side, right after the handshake: propose a lane; True when the server took it.
+        Any refusal (another host, no room, an older peer) leaves the channel on UCX alone."""
+        try:
+            fd, name, nonce = shm_lane.create_lane_file(shm_lane.SLOTS * chunk_bytes)
+        except (LaneUnavailable, OSError):
+            return False
+        lane = ShmLane(fd, name, -1, chunk_bytes)
+        try:
+            await self.send(protocol.ShmOffer(name, nonce, chunk_bytes))
+            reply = await self.expect(protocol.ShmAccept, protocol.ShmDecline)
+            if isinstance(reply, protocol.ShmAccept):
+                lane.in_fd = shm_lane.open_peer_file(reply.name, reply.nonce, lane.file_bytes)
+                self.lane = lane
+                return True
+        except LaneUnavailable:
+            self.broken = True  # the server believes in a lane this side cannot use: start over
+            lane.close()
+            raise PeerGone(f"{self.peer} offered a lane this side cannot open") from None
+        except BaseException:
+            lane.close()
+            raise
+        lane.close()
+        return False
+
+    async def answer_lane(self, offer: protocol.ShmOffer, allowed: bool) -> None:
+        """Server side: take the client's lane when ``allowed`` and its file is visible here."""
+        reason = ""
+        if not allowed:
+            reason = "lanes are off on this server"
+        elif self.lane is not None:
+            reason = "this connection already has a lane"
+        elif not MIN_LANE_CHUNK <= offer.chunk_bytes <= MAX_LANE_CHUNK:
+            reason = f"chunk of {offer.chunk_bytes} bytes outside [{MIN_LANE_CHUNK}, {MAX_LANE_CHUNK}]"
+        if reason:
+            await self.send(protocol.ShmDecline(reason))
+            return
+        size = shm_lane.SLOTS * offer.chunk_bytes
+        try:
+            in_fd = shm_lane.open_peer_file(offer.name, offer.nonce, size)
+        except (LaneUnavailable, ProtocolError) as e:
+            await self.send(protocol.ShmDecline(str(e)))
+            return
+        try:
+            fd, name, nonce = shm_lane.create_lane_file(size)
+        except (LaneUnavailable, OSError) as e:
+            os.close(in_fd)
+            await self.send(protocol.ShmDecline(str(e)))
+            return
+        self.lane = ShmLane(fd, name, in_fd, offer.chunk_bytes)
+        await self.send(protocol.ShmAccept(name, nonce))
+
+    async def _lane_send(self, arrays: Sequence[np.ndarray]) -> None:
+        lane = self.lane
+        assert lane is not None
+        chunks = shm_lane.plan([a.nbytes for a in arrays], lane.chunk_bytes)
+        for i, chunk in enumerate(chunks):
+            if i >= shm_lane.SLOTS:
+                await self._expect_ack(i - shm_lane.SLOTS)  # its slot is free again
+            views = [arrays[k][s:e] for k, s, e in chunk]
+            n = await _copy(lane.write, i, views)
+            await self.send(protocol.ShmFrame(i, n))
+        for i in range(max(0, len(chunks) - shm_lane.SLOTS), len(chunks)):
+            await self._expect_ack(i)
+
+    async def _expect_ack(self, index: int) -> None:
+        ack = await self.expect(protocol.ShmAck)
+        if not isinstance(ack, protocol.ShmAck) or ack.index != index:
+            self.broken = True
+            raise ProtocolError(f"{self.peer} acknowledged {ack!r:.80} on its lane; expected chunk {index}")
+
+    async def _lane_recv(self, out: Sequence[np.ndarray]) -> None:
+        lane = self.lane
+        assert lane is not None
+        for i, chunk in enumerate(shm_lane.plan([a.nbytes for a in out], lane.chunk_bytes)):
+            frame = await self.expect(protocol.ShmFrame)
+            views = [out[k][s:e] for k, s, e in chunk]
+            want = sum(v.nbytes for v in views)
+            if not isinstance(frame, protocol.ShmFrame) or frame.index != i or frame.nbytes != want:
+                self.broken = True
+                raise ProtocolError(f"{self.peer} sent {frame!r:.80} on its lane; expected chunk {i} of {want} bytes")
+            try:
+                await _copy(lane.read, i, views)
+            except ProtocolError:
+                self.broken = True
+                raise
+            await self.send(protocol.ShmAck(i))
 
     # ---- errors and teardown ------------------------------------------------------------------
     def _live(self):  # noqa: ANN202 - a ucxx Endpoint
@@ -146,6 +255,7 @@ class Channel:
     def abort(self) -> None:
         """Drop the connection now; outstanding requests are cancelled. Idempotent."""
         self.broken = True
+        self._close_lane()
         ep, self.ep = self.ep, None
         if ep is not None:
             try:
@@ -157,9 +267,22 @@ class Channel:
         """Close cleanly (flushes what was sent); falls back to ``abort``."""
         ep, self.ep = self.ep, None
         self.broken = True
+        self._close_lane()
         if ep is None:
             return
         try:
             await post(ep.close())
         except UCXError:
             ep.abort()
+
+    def _close_lane(self) -> None:
+        lane, self.lane = self.lane, None
+        if lane is not None:
+            lane.close()
+
+
+async def _copy(fn, index: int, views: list[np.ndarray]) -> int:  # noqa: ANN001 - ShmLane.read/write
+    if sum(v.nbytes for v in views) >= _THREAD_COPY_BYTES:
+        # A cancelled waiter leaves the copy running; it holds ``views`` (and so their memory).
+        return await asyncio.to_thread(fn, index, views)
+    return fn(index, views)

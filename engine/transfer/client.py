@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import ucxx
 from ucxx.exceptions import UCXError
 
-from . import auth, protocol
+from . import auth, protocol, shm_lane
 from kvmesh.engine.block_hash import ROOT_HASH
 from .auth import TokenSource, no_token
 from .buffers import KVBlock
@@ -69,9 +69,11 @@ class AsyncKVClient:
     """Talks to one KV block server (a cache node, later a decode engine) at ``host:port``."""
 
     def __init__(self, host: str, port: int, *, timeout: float = 10.0, connect_timeout: float = 5.0,
-                 max_connections: int = 2, token: TokenSource = no_token) -> None:
+                 max_connections: int = 2, token: TokenSource = no_token, shm: bool | None = None,
+                 lane_chunk_bytes: int = shm_lane.DEFAULT_CHUNK_BYTES) -> None:
         """``token``: the deployment's internal token, proven to the peer and required of it on
-        every new connection (transfer/auth.py)."""
+        every new connection (transfer/auth.py). ``shm``: offer a same-host lane on each new
+        connection (``shm_lane``; default: on unless ``KVMESH_KV_SHM=0``)."""
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.host, self.port = host, port
@@ -79,6 +81,8 @@ class AsyncKVClient:
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.token = token
+        self.shm = shm_lane.enabled_by_env() if shm is None else shm
+        self.lane_chunk_bytes = lane_chunk_bytes
         self._slots: asyncio.Semaphore | None = None  # created on the loop that uses it
         self._max = max_connections
         self._idle: list[Channel] = []
@@ -311,6 +315,8 @@ class AsyncKVClient:
                 raise ProtocolError(f"{self.peer} speaks KV protocol {hello.version}, "
                                     f"this side {protocol.PROTOCOL_VERSION}")
             await self._authenticate(ch, mine, hello)
+            if self.shm:
+                await ch.offer_lane(self.lane_chunk_bytes)
         except BaseException:
             ch.abort()
             raise
@@ -348,6 +354,11 @@ class AsyncKVClient:
     @property
     def open_connections(self) -> int:
         return len(self._idle) + len(self._busy)
+
+    @property
+    def lanes(self) -> int:
+        """Open connections that move payloads through a same-host lane."""
+        return sum(1 for ch in (*self._idle, *self._busy) if ch.lane is not None)
 
 
 class KVClient:

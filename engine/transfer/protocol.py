@@ -10,6 +10,10 @@ One connection carries one request at a time. The exchanges (C: client, S: serve
     push    C: PushKV(id, start, hashes, final, first)   S: PushReady()
             C: payload of each block                     S: PushDone(num_blocks)
     cancel  C: Cancel(id)       S: Cancelled()
+    lane    C: ShmOffer(name, nonce)   S: ShmAccept(name, nonce) | ShmDecline(reason)
+
+A connection whose lane was accepted (same host: ``shm_lane``) carries every payload above as
+``ShmFrame``/``ShmAck`` exchanges over its lane files instead of UCX tag messages.
 
 reserve/push/cancel are the prefill -> decode handoff (``engine.disagg``): the decode engine
 reserves every block the request will need before it accepts any bytes, and checks the pushed
@@ -173,6 +177,38 @@ class Hello(Message, tag="hello"):
     proof: bytes = b""
 
 
+class ShmOffer(Message, tag="shm_offer"):
+    """The client's same-host lane (transfer/shm_lane.py): its file's name and the nonce written in it."""
+
+    name: str
+    nonce: bytes
+    chunk_bytes: int
+
+
+class ShmAccept(Message, tag="shm_accept"):
+    name: str
+    nonce: bytes
+
+
+class ShmDecline(Message, tag="shm_decline"):
+    """No lane: payloads keep going over UCX (another host, no room, or lanes off)."""
+
+    reason: str
+
+
+class ShmFrame(Message, tag="shm_frame"):
+    """Chunk ``index`` of the payload under way is in the sender's lane file (``nbytes`` bytes)."""
+
+    index: int
+    nbytes: int
+
+
+class ShmAck(Message, tag="shm_ack"):
+    """The receiver has read chunk ``index``: its slot may be written again."""
+
+    index: int
+
+
 class Auth(Message, tag="auth"):
     """The client's proof of the internal token (transfer/auth.py), right after the Hellos."""
 
@@ -184,7 +220,8 @@ class AuthOk(Message, tag="auth_ok"):
 
 
 AnyMessage = (PutOffer | PutWant | PutDone | Lookup | LookupReply | Get | GetReply | Stats | StatsReply | ErrorReply
-              | Hello | Auth | AuthOk | Reserve | Reserved | PushKV | PushReady | PushDone | Cancel | Cancelled)
+              | Hello | Auth | AuthOk | ShmOffer | ShmAccept | ShmDecline | ShmFrame | ShmAck
+              | Reserve | Reserved | PushKV | PushReady | PushDone | Cancel | Cancelled)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

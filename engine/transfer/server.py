@@ -17,7 +17,7 @@ from typing import Protocol
 
 import ucxx
 
-from . import auth, protocol
+from . import auth, protocol, shm_lane
 from .auth import TokenSource, no_token
 from .channel import Channel
 from .errors import AuthFailed, PeerGone, ProtocolError, TransferError, TransferTimeout
@@ -40,13 +40,15 @@ class KVServer:
 
     def __init__(self, handler: RequestHandler, port: int = 0, *, idle_timeout: float | None = None,
                  token: TokenSource = no_token, auth_timeout: float = 10.0,
-                 message_timeout: float | None = 30.0) -> None:
+                 message_timeout: float | None = 30.0, shm: bool | None = None, max_lanes: int = 64) -> None:
         """``token``: the deployment's internal token; when it gives one, a connection must prove
         it (transfer/auth.py) within ``auth_timeout`` seconds before any request is read.
         ``message_timeout``: a new connection's Hello, and the rest of any request once its length
         arrived, must come within it, or the connection is closed (counted in ``timeouts``): a
         peer cannot pin a connection with half a message. ``idle_timeout`` bounds the wait between
-        requests (None: a connection may idle, as pooled clients' do)."""
+        requests (None: a connection may idle, as pooled clients' do). ``shm``: accept same-host
+        lanes (``shm_lane``; default: on unless ``KVMESH_KV_SHM=0``), at most ``max_lanes`` at a
+        time (each holds 2 x 32 MiB of tmpfs)."""
         self.handler = handler
         self.message_timeout = message_timeout
         self.timeouts = 0
@@ -55,6 +57,8 @@ class KVServer:
         self.auth_failures = 0
         self.requested_port = port
         self.idle_timeout = idle_timeout
+        self.shm = shm_lane.enabled_by_env() if shm is None else shm
+        self.max_lanes = max_lanes
         self._listener = None
         self._channels: set[Channel] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -69,6 +73,11 @@ class KVServer:
     @property
     def open_connections(self) -> int:
         return len(self._channels)
+
+    @property
+    def lanes(self) -> int:
+        """Open connections that move payloads through a same-host lane."""
+        return sum(1 for ch in self._channels if ch.lane is not None)
 
     async def start(self) -> None:
         # No handshake timeout: ucxx abandons a timed-out handshake while its receive stays posted
@@ -96,6 +105,9 @@ class KVServer:
                 await self._check_proof(ch, token, mine, hello.nonce)
             while True:
                 msg = await asyncio.wait_for(ch.recv(self.message_timeout), self.idle_timeout)
+                if isinstance(msg, protocol.ShmOffer):
+                    await ch.answer_lane(msg, self.shm and self.lanes < self.max_lanes)
+                    continue
                 await self.handler.handle(msg, ch)
         except PeerGone:
             pass  # the client closed or died: the normal end of a connection

@@ -1,7 +1,8 @@
 """The transport over real ucxx endpoints (one process: server and client on one loop thread).
 
 Faults are injected by handlers that stop mid-exchange: the client must fail with a specific
-exception within its deadline, drop the connection, and reconnect for the next request.
+exception within its deadline, drop the connection, and reconnect for the next request. These run
+the network path (same-host lanes off); tests/transfer/test_shm_lane.py runs the lane's.
 """
 
 from __future__ import annotations
@@ -36,23 +37,25 @@ def loop():
 class Node:
     """A server with a store on ``loop``; ``handler`` may wrap the real one to inject faults."""
 
-    def __init__(self, loop: LoopThread, capacity: int = 1 << 30, wrap=None) -> None:
+    def __init__(self, loop: LoopThread, capacity: int = 1 << 30, wrap=None, shm: bool = False) -> None:
         self.loop = loop
+        self.shm = shm
         self.store = BlockStore(capacity)
         real = CacheNodeHandler(self.store, payload_timeout=2.0)
-        self.server = KVServer(wrap(real) if wrap else real)
+        self.server = KVServer(wrap(real) if wrap else real, shm=shm)
         loop.call(self.server.start(), 10)
 
     def client(self, **kw) -> KVClient:
-        return KVClient("127.0.0.1", self.server.port, loop=self.loop, **kw)
+        return KVClient("127.0.0.1", self.server.port, loop=self.loop, shm=self.shm, **kw)
 
     def close(self) -> None:
         self.loop.call(self.server.close(), 10)
 
 
-@pytest.fixture
-def node(loop):
-    n = Node(loop)
+@pytest.fixture(params=[False, True], ids=["ucx", "lane"])
+def node(loop, request):
+    """Tests that take ``node`` run on both paths: the same answers whichever road the bytes take."""
+    n = Node(loop, shm=request.param)
     yield n
     n.close()
 
