@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kvmesh.engine.kv.gather import gather_blocks
@@ -55,11 +56,25 @@ class Fetch:
     start: int
     hashes: list[BlockHash]
     future: concurrent.futures.Future | None
-    blocks: list[torch.Tensor] | None = None  # set once done: [layers, 2, block_size, heads, dim] each
+    blocks: torch.Tensor | None = None
+    """Set once done: ``[n, layers, 2, block_size, heads, dim]``, n = 0 on a miss or failure."""
 
     @property
     def done(self) -> bool:
         return self.future is None or self.future.done()
+
+
+def one_buffer(datas: Sequence[np.ndarray]) -> np.ndarray:
+    """The payloads as one flat array: a view when they lie back to back in one buffer (as
+    ``KVClient.get`` returns them), else one copy."""
+    first = datas[0]
+    nb, base = first.nbytes, first.base
+    start = first.ctypes.data
+    if (isinstance(base, np.ndarray) and base.ndim == 1 and base.dtype == np.uint8
+            and all(d.base is base and d.nbytes == nb and d.ctypes.data == start + i * nb for i, d in enumerate(datas))):
+        offset = start - base.ctypes.data
+        return base[offset:offset + nb * len(datas)]
+    return np.concatenate(datas)
 
 
 class RemoteTier:
@@ -95,7 +110,7 @@ class RemoteTier:
                 self._failed(e)
         f = Fetch(start, list(hashes), fut)
         if fut is None:
-            f.blocks = []
+            f.blocks = self._none()
         self._fetches[request_id] = f
         return f
 
@@ -107,7 +122,7 @@ class RemoteTier:
         return f is not None and not f.done
 
     def result(self, request_id: str) -> Fetch | None:
-        """The request's finished fetch with ``blocks`` filled ([] on any failure), or None."""
+        """The request's finished fetch with ``blocks`` filled (no rows on any failure), or None."""
         f = self._fetches.get(request_id)
         if f is None or not f.done:
             return None
@@ -115,20 +130,26 @@ class RemoteTier:
             f.blocks = self._blocks_of(f)
         return f
 
-    def _blocks_of(self, f: Fetch) -> list[torch.Tensor]:
+    def _none(self) -> torch.Tensor:
+        return torch.empty((0, *self.block_shape), dtype=self.dtype)
+
+    def _blocks_of(self, f: Fetch) -> torch.Tensor:
         assert f.future is not None
         try:
             got: list[WireBlock] = f.future.result(timeout=0)
         except (TransferError, concurrent.futures.CancelledError, RuntimeError) as e:
             self._failed(e)
-            return []
-        out = []
+            return self._none()
+        n = 0
         for want, blk in zip(f.hashes, got):
             if blk.block_hash != want or blk.header.layout != self.layout:  # the client checked; belt and braces
                 self._failed(HeaderMismatch("block_hash", want, blk.block_hash))
                 break
-            out.append(torch.from_numpy(blk.data).view(self.dtype).view(self.block_shape))
-        return out
+            n += 1
+        if not n:
+            return self._none()
+        flat = one_buffer([b.data for b in got[:n]])
+        return torch.from_numpy(flat).view(self.dtype).view(n, *self.block_shape)
 
     def forget(self, request_id: str) -> None:
         """Drop the request's fetch (admitted, finished or aborted); a running get is abandoned."""

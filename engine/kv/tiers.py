@@ -40,12 +40,13 @@ class LowerHits:
     """Blocks one admission loads from the lower tiers, in chain order: host first, then remote."""
 
     host_hashes: list[bytes] = field(default_factory=list)
-    remote_blocks: list[torch.Tensor] = field(default_factory=list)
+    remote_blocks: torch.Tensor | None = None
+    """``[n, layers, 2, block_size, heads, dim]`` (a view of the fetch), or None."""
     block_size: int = 0
 
     @property
     def num_blocks(self) -> int:
-        return len(self.host_hashes) + len(self.remote_blocks)
+        return len(self.host_hashes) + (0 if self.remote_blocks is None else len(self.remote_blocks))
 
     @property
     def num_tokens(self) -> int:
@@ -71,7 +72,8 @@ class KVTiers:
         self.host = host
         self.remote = remote
         self.block_size = kv.block_size
-        self._remote_loads: list[tuple[torch.Tensor, int]] = []
+        self._remote_loads: list[tuple[torch.Tensor, list[int]]] = []
+        """(blocks, their primary block ids) per admission since the last flush."""
 
     # ---- admission ----------------------------------------------------------------------------
     def lookup(self, request_id: str, num_tokens: int, num_primary_blocks: int) -> LowerHits | None:
@@ -95,7 +97,7 @@ class KVTiers:
                     if not f.done:
                         return None
                     f = self.remote.result(request_id)
-            if f is not None and f.blocks and f.start <= n + k:
+            if f is not None and f.blocks is not None and len(f.blocks) and f.start <= n + k:
                 # Fetched blocks cover chain[f.start : f.start + len]; use those past the local hits.
                 skip = n + k - f.start
                 hits.remote_blocks = f.blocks[skip:max_blocks - f.start]
@@ -117,11 +119,14 @@ class KVTiers:
             self.host.stats.hits += k * self.block_size
         if self.remote is not None:
             f = self.remote.fetch(request_id)
+            got = hits.remote_blocks
+            m = 0 if got is None else len(got)
             if f is not None:
                 self.remote.stats.queries += len(f.hashes) * self.block_size
-                self.remote.stats.hits += len(hits.remote_blocks) * self.block_size
-                self.remote.stats.promotions += len(hits.remote_blocks)
-            self._remote_loads.extend(zip(hits.remote_blocks, ids[k:]))
+                self.remote.stats.hits += m * self.block_size
+                self.remote.stats.promotions += m
+            if m:
+                self._remote_loads.append((got, ids[k:k + m]))
             self.remote.forget(request_id)
 
     def cancel(self, hits: LowerHits | None) -> None:
@@ -157,22 +162,17 @@ class KVTiers:
             self.host.flush_saves(self.kv_cache)
 
     def flush(self) -> None:
-        """Apply pending saves, then every pending load (one scatter into the KV cache)."""
-        srcs: list[torch.Tensor] = []
-        ids: list[int] = []
+        """Apply pending saves, then every pending load: one scatter into the KV cache per source
+        (the host tier's loads, each admission's fetch), straight from where the bytes landed."""
         self.save_evicted()
+        loads = list(self._remote_loads)
+        self._remote_loads.clear()
         if self.host is not None:
             loaded = self.host.take_loads()
             if loaded is not None:
-                srcs.append(loaded[0])
-                ids += loaded[1]
-        if self._remote_loads:
-            srcs.append(torch.stack([t for t, _ in self._remote_loads]))
-            ids += [b for _, b in self._remote_loads]
-            self._remote_loads.clear()
-        if not ids:
-            return
-        scatter_blocks(self.kv_cache, ids, srcs[0] if len(srcs) == 1 else torch.cat(srcs))
+                loads.append(loaded)
+        for data, ids in loads:
+            scatter_blocks(self.kv_cache, ids, data)
 
     def after_step(self, segments: Sequence[CachedSegment]) -> concurrent.futures.Future | None:
         """Write the blocks this step made full through to the cache node (asynchronously).

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import ucxx
 from ucxx.exceptions import UCXError
 
@@ -150,8 +151,13 @@ class AsyncKVClient:
             n = len(batch.hashes)
             if n > len(hashes) or batch.hashes != list(hashes[:n]):
                 raise HeaderMismatch("block_hash", "a prefix of the asked chain", f"{n} other hashes")
-            datas = await ch.recv_payloads([layout.nbytes] * n)
-            return [KVBlock(h, d) for h, d in zip(batch.headers(), datas)]
+            # One buffer for the batch: the blocks come back as consecutive views of it, so a
+            # receiver that loads them all (the engine's remote tier) scatters with no copy first.
+            nb = layout.nbytes
+            buf = np.empty(n * nb, np.uint8)
+            views = [buf[i * nb:(i + 1) * nb] for i in range(n)]
+            await ch.recv_payloads_into(views)
+            return [KVBlock(h, d) for h, d in zip(batch.headers(), views)]
 
         return await self._request(run, timeout, f"get of {len(hashes)} blocks")
 
