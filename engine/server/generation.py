@@ -151,7 +151,7 @@ class Serving:
         prompt_param = "prompt" if isinstance(req, CompletionRequest) else "messages"
         for pi, ids in enumerate(prompts):
             mt = params.resolve_max_tokens(requested, default_max, len(ids), limits, prompt_param)
-            base = params.sampling_params(req, mt, logprobs)
+            base = params.sampling_params(req, mt, logprobs, self._engine.tokenizer)
             for spec in params.expand_choices(base, req.n, 1):
                 out.append(params.ChoiceSpec(index=pi * req.n + spec.index, prompt_index=pi, params=spec.params))
         return out
