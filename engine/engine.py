@@ -261,8 +261,8 @@ class LLMEngine:
         named = params.token_ids_named()
         if named and max(named) >= vocab:
             bad = next(t for t in named if t >= vocab)
-            raise InvalidSamplingParams(f"token id {bad} (in stop_token_ids, logit_bias or allowed_token_ids) "
-                                        f"is outside this model's vocabulary [0, {vocab})")
+            raise InvalidSamplingParams(f"token id {bad} (in stop_token_ids, logit_bias, allowed_token_ids or "
+                                        f"bad_words) is outside this model's vocabulary [0, {vocab})")
         if params.structured is not None:
             self.grammars.prepare(params.structured)  # InvalidGrammarError; cached for add_request
         n = len(ids)

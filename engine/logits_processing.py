@@ -1,4 +1,4 @@
-"""Logit controls before sampling: penalties, logit bias, min_tokens, allowed tokens.
+"""Logit controls before sampling: penalties, logit bias, min_tokens, allowed tokens, bad words.
 
 Each control is one batched tensor op over the rows of the step's logits that use it; nothing
 loops over the vocabulary in Python. Token counts for the penalties live in one table on the
@@ -8,6 +8,9 @@ step samples, so a step never rebuilds them from the token lists.
 Semantics follow OpenAI and vLLM: presence and frequency penalties count the generated tokens
 only, ``logit - frequency * count - presence * (count > 0)``; the repetition penalty covers
 prompt and generated tokens, dividing a positive logit by it and multiplying a negative one.
+A bad word's token sequence bans its last token when the generated tokens end with the rest of
+it (vLLM's ``bad_words``); finding those tokens loops over a request's few sequences, never
+over the vocabulary, and every masked token of the step is written by one index op.
 """
 
 from __future__ import annotations
@@ -18,6 +21,18 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.engine.request import Request
+
+
+def banned_tokens(words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The last token of each sequence in `words` whose other tokens end `output` (a one-token
+    sequence always matches)."""
+    n = len(output)
+    out = []
+    for w in words:
+        k = len(w) - 1
+        if k <= n and all(output[n - k + j] == w[j] for j in range(k)):
+            out.append(w[-1])
+    return out
 
 
 def _penalized(req: Request) -> bool:
@@ -115,10 +130,12 @@ class LogitsProcessor:
             rows_t, toks, vals = zip(*bias)
             logits.index_put_((torch.tensor(rows_t, device=device), torch.tensor(toks, device=device)),
                               torch.tensor(vals, dtype=logits.dtype, device=device), accumulate=True)
-        early = [(i, t) for i, r in enumerate(reqs) if len(r.output_token_ids) < r.params.min_tokens
-                 for t in (*self.eos, *r.params.stop_token_ids)]
-        if early:
-            idx = torch.tensor(early, dtype=torch.int64, device=device)
+        masked = [(i, t) for i, r in enumerate(reqs) if len(r.output_token_ids) < r.params.min_tokens
+                  for t in (*self.eos, *r.params.stop_token_ids)]
+        masked += [(i, t) for i, r in enumerate(reqs) if r.params.bad_words_token_ids
+                   for t in banned_tokens(r.params.bad_words_token_ids, r.output_token_ids)]
+        if masked:
+            idx = torch.tensor(masked, dtype=torch.int64, device=device)
             logits[idx[:, 0], idx[:, 1]] = neg_inf
         pen = [i for i, r in enumerate(reqs) if _penalized(r)]
         if pen:

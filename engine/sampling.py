@@ -34,8 +34,10 @@ class SamplingParams:
     `presence_penalty` and `frequency_penalty` (OpenAI's, over the generated tokens),
     `repetition_penalty` (over prompt and generated tokens; 1 is off), `logit_bias` (token id ->
     added bias), `min_tokens` (EOS and `stop_token_ids` are masked, and stop strings are not
-    checked, until that many tokens were generated) and `allowed_token_ids` (every other token is
-    masked). Token ids are checked against the vocabulary by the engine, not here.
+    checked, until that many tokens were generated), `allowed_token_ids` (every other token is
+    masked) and `bad_words_token_ids` (vLLM's `bad_words`, tokenized: the last token of each
+    sequence is masked when the generated tokens end with the rest of it; a one-token sequence is
+    always masked). Token ids are checked against the vocabulary by the engine, not here.
     """
 
     max_tokens: int = 16
@@ -55,6 +57,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     prompt_logprobs: int | None = None
     """None for none, else the logprob of every prompt token after the first with this many top
     alternatives (0 = the prompt token only); such a request skips prefix-cache hits (a cached
@@ -65,6 +68,8 @@ class SamplingParams:
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+    MAX_BAD_WORDS = 100  # words of the API's bad_words; each gives one or two token sequences
+    MAX_BAD_WORD_TOKENS = 32
 
     def validate(self) -> "SamplingParams":
         """Check types and ranges; raise InvalidSamplingParams naming the first bad field.
@@ -127,16 +132,25 @@ class SamplingParams:
         if allowed is not None and (not isinstance(allowed, (list, tuple)) or not allowed
                                     or any(not _is_int(t) or t < 0 for t in allowed)):
             raise InvalidSamplingParams("allowed_token_ids must be a non-empty list of non-negative token ids")
+        bad = self.bad_words_token_ids
+        if (not isinstance(bad, (list, tuple)) or len(bad) > 2 * self.MAX_BAD_WORDS
+                or any(not isinstance(w, (list, tuple)) or not 0 < len(w) <= self.MAX_BAD_WORD_TOKENS
+                       or any(not _is_int(t) or t < 0 for t in w) for w in bad)):
+            raise InvalidSamplingParams(
+                f"bad_words_token_ids must be at most {2 * self.MAX_BAD_WORDS} lists of 1 to "
+                f"{self.MAX_BAD_WORD_TOKENS} non-negative token ids")
 
     def token_ids_named(self) -> list[int]:
         """Every token id the parameters name (for the engine's vocabulary check)."""
-        return [*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or ())]
+        return [*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or ()),
+                *(t for w in self.bad_words_token_ids for t in w)]
 
     @property
     def controls_logits(self) -> bool:
         """True when any logit control is on (the sampler then runs logits_processing first)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None)
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None
+                    or bool(self.bad_words_token_ids))
 
     @property
     def greedy(self) -> bool:

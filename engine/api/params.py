@@ -113,6 +113,28 @@ def logit_bias(req: _SamplingFields) -> dict[int, float]:
     return out
 
 
+def bad_words_token_ids(tokenizer: Tokenizer | None, words: list[str] | None) -> list[list[int]]:
+    """vLLM's ``bad_words`` as token sequences: each word (less leading whitespace) as it
+    tokenizes at the start of a text, and after a space when that gives a different first token
+    in as many tokens (the word in the middle of a text), as vLLM tokenizes them. A 400 naming the
+    word when it is longer than the engine bans (``SamplingParams.MAX_BAD_WORD_TOKENS``)."""
+    out: list[list[int]] = []
+    if not words:
+        return out
+    if tokenizer is None:
+        raise errors.invalid_request("bad_words needs the model's tokenizer", "bad_words")
+    for i, word in enumerate(words):
+        plain = tokenizer.encode(check_text(word.lstrip(), f"bad_words.{i}"))
+        if len(plain) > SamplingParams.MAX_BAD_WORD_TOKENS:
+            raise errors.invalid_request(f"bad_words.{i} is {len(plain)} tokens long; a bad word may have at most "
+                                         f"{SamplingParams.MAX_BAD_WORD_TOKENS}", f"bad_words.{i}")
+        out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip())
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
+
+
 def check_completion_unsupported(req: CompletionRequest) -> None:
     if req.suffix:
         raise errors.unsupported_parameter("suffix")
@@ -269,8 +291,10 @@ def prompt_logprobs(req: _SamplingFields) -> int | None:
     return want
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The engine's parameters for choice 0 of `req`; raises a 400 naming the bad parameter."""
+def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
+                    tokenizer: Tokenizer | None = None) -> SamplingParams:
+    """The engine's parameters for choice 0 of `req`; raises a 400 naming the bad parameter.
+    ``tokenizer`` tokenizes ``bad_words`` (a request with some needs it)."""
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else float(req.temperature),
@@ -290,6 +314,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None)
         min_tokens=req.min_tokens,
         prompt_logprobs=prompt_logprobs(req),
         allowed_token_ids=None if req.allowed_token_ids is None else list(req.allowed_token_ids),
+        bad_words_token_ids=bad_words_token_ids(tokenizer, req.bad_words),
         structured=structured_output(req),
     )
     try:
@@ -312,6 +337,7 @@ def expand_choices(base: SamplingParams, n: int, num_prompts: int) -> list[Choic
             # A copy per sequence: the engine owns the params it is handed.
             params = dataclasses.replace(base, seed=derive_seed(base.seed, i), stop=list(base.stop),
                                          stop_token_ids=list(base.stop_token_ids),
-                                         logit_bias=dict(base.logit_bias))
+                                         logit_bias=dict(base.logit_bias),
+                                         bad_words_token_ids=[list(w) for w in base.bad_words_token_ids])
             specs.append(ChoiceSpec(index=p * n + i, prompt_index=p, params=params))
     return specs

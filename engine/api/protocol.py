@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 128  # choices per request; each is one engine sequence
 MAX_STOP_STRINGS = 16
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 100, 100  # vLLM's bad_words (SamplingParams.MAX_BAD_WORDS)
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 
 
@@ -64,6 +65,7 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     priority: int = 0
     # Structured outputs, vLLM's extensions (docs/server.md): at most one constraint per request.
     structured_outputs: dict[str, Any] | None = None
@@ -81,6 +83,17 @@ class _SamplingFields(BaseModel):
     def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(v)}")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and len(v) > MAX_BAD_WORDS:
+            raise ValueError(f"at most {MAX_BAD_WORDS} bad words are allowed, got {len(v)}")
+        for w in v or ():
+            if not w.strip() or len(w) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"bad words must be strings of 1 to {MAX_BAD_WORD_CHARS} characters, "
+                                 f"not only whitespace; got {w[:40]!r}")
         return v
 
     def stop_list(self) -> list[str]:

@@ -1,5 +1,6 @@
-"""Tool calls for chat: the tools rendered into the prompt, `required` and named choices enforced
-by a grammar, and calls parsed out of the model's text (Hermes-style ``<tool_call>`` JSON).
+"""Tool calls for chat: the tools rendered into the prompt and `required` and named choices
+enforced by a grammar; the calls are read out of the model's text (Hermes-style ``<tool_call>``
+JSON) by api/tool_stream.py.
 
 Pure functions and small state, no I/O. The prompt side runs in ``params.chat_prompt_ids``, which
 the router calls too, so a prompt with tools hashes to the blocks the engine caches.
@@ -13,7 +14,6 @@ results as ``<tool_response>`` blocks in ``tool`` turns.
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,86 +155,14 @@ def render_history(messages: list[dict[str, Any]], raw: list[Any], setup: ToolSe
 
 def grammar(setup: ToolSetup) -> str:
     """A Lark grammar (llguidance) for ``required`` / named choices: one or more ``<tool_call>``
-    blocks whose JSON names a function and carries arguments valid under its schema."""
+    blocks whose JSON names a function and carries arguments valid under its schema. The JSON is
+    compact, as structured outputs' is (structured/grammar.py), so a small model cannot spend
+    ``max_tokens`` on whitespace inside a call."""
     fns = [f for f in setup.functions if setup.named in (None, f.name)]
     schemas = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
                 "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
     body = json.dumps(schema, separators=(",", ":"))
     repeat = ' ("\\n" call)*' if setup.parallel else ""
     return f'start: call{repeat}\ncall: "{OPEN}" obj "{CLOSE}"\nobj: %json {body}\n'
-
-
-def _call(name: str, arguments: Any) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
-
-
-def parse_calls(text: str, setup: ToolSetup) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool calls) of a finished answer. A block that is not a call of a known function
-    with an object of arguments stays in the content as text: nothing is dropped."""
-    names = {f.name for f in setup.functions}
-    content, calls, pos = [], [], 0
-    while (start := text.find(OPEN, pos)) != -1:
-        end = text.find(CLOSE, start)
-        if end == -1:
-            break
-        try:
-            doc = json.loads(text[start + len(OPEN):end])
-        except ValueError:
-            doc = None
-        if isinstance(doc, dict) and doc.get("name") in names and isinstance(doc.get("arguments", {}), dict):
-            content.append(text[pos:start])
-            calls.append(_call(doc["name"], doc.get("arguments", {})))
-        else:
-            content.append(text[pos:end + len(CLOSE)])
-        pos = end + len(CLOSE)
-    content.append(text[pos:])
-    joined = "".join(content).strip()
-    return (joined or None) if calls else text, calls
-
-
-class CallStream:
-    """Streaming: text passes through until a ``<tool_call>`` may be starting; from there it is held
-    until the block closes, then sent as one ``delta.tool_calls`` entry (id, name and the whole
-    arguments), which clients accumulate as they do OpenAI's incremental ones."""
-
-    def __init__(self, setup: ToolSetup) -> None:
-        self.setup = setup
-        self.buf = ""
-        self.count = 0
-
-    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
-        self.buf += delta
-        text, calls = "", []
-        while True:
-            start = self.buf.find(OPEN)
-            if start == -1:
-                # Hold back a tail that could still grow into "<tool_call>".
-                keep = next((k for k in range(min(len(OPEN) - 1, len(self.buf)), 0, -1)
-                             if OPEN.startswith(self.buf[-k:])), 0)
-                text += self.buf[:len(self.buf) - keep]
-                self.buf = self.buf[len(self.buf) - keep:]
-                return text, calls
-            end = self.buf.find(CLOSE, start)
-            if end == -1:
-                text += self.buf[:start]
-                self.buf = self.buf[start:]
-                return text, calls
-            block = self.buf[start:end + len(CLOSE)]
-            content, found = parse_calls(block, self.setup)
-            if found:
-                text += self.buf[:start]
-                calls.extend(self._delta(c) for c in found)
-            else:
-                text += self.buf[:end + len(CLOSE)]
-            self.buf = self.buf[end + len(CLOSE):]
-
-    def _delta(self, call: dict[str, Any]) -> dict[str, Any]:
-        self.count += 1
-        return {"index": self.count - 1, **call}
-
-    def finish(self) -> str:
-        """What is still held (an unclosed block is plain text)."""
-        rest, self.buf = self.buf, ""
-        return rest

@@ -23,7 +23,8 @@ from starlette.responses import JSONResponse, Response
 from kvmesh.engine.outputs import RequestOutput, TokenLogprob
 from kvmesh.engine.roles import Handoff
 from kvmesh.engine.api import errors, params
-from kvmesh.engine.api.tools import CallStream, ToolSetup, parse_calls
+from kvmesh.engine.api.tool_stream import CallStream, parse_calls
+from kvmesh.engine.api.tools import ToolSetup
 from kvmesh.engine.server import responses
 from kvmesh.engine.server.async_engine import AsyncEngine, RequestGroup, SeqSubmission
 from kvmesh.engine.api.errors import APIError
@@ -150,7 +151,7 @@ class Serving:
         prompt_param = "prompt" if isinstance(req, CompletionRequest) else "messages"
         for pi, ids in enumerate(prompts):
             mt = params.resolve_max_tokens(requested, default_max, len(ids), limits, prompt_param)
-            base = params.sampling_params(req, mt, logprobs)
+            base = params.sampling_params(req, mt, logprobs, self._engine.tokenizer)
             for spec in params.expand_choices(base, req.n, 1):
                 out.append(params.ChoiceSpec(index=pi * req.n + spec.index, prompt_index=pi, params=spec.params))
         return out
@@ -300,19 +301,24 @@ class Serving:
                         continue  # text held back (possible stop string): nothing to say yet
                     lp = self._logprobs_body(prep, st, out.logprobs or [])
                     if chat:
-                        delta = self._chat_delta(calls.get(st.index), out.text_delta, reason is not None)
+                        deltas = self._chat_deltas(calls.get(st.index), out.text_delta, reason is not None)
                         if reason == "stop" and st.index in calls and calls[st.index].count:
                             reason = "tool_calls"
-                        if not delta and not lp and reason is None and not scored:
+                        if not deltas and not lp and reason is None and not scored:
                             continue
-                        chunk = responses.chat_chunk(rid, created, model, st.index, delta, reason, lp)
+                        # One chunk per delta, as OpenAI sends a call's pieces: logprobs ride on
+                        # the first, the finish reason on the last.
+                        deltas = deltas or [{}]
+                        chunks = [responses.chat_chunk(rid, created, model, st.index, d,
+                                                       reason if k == len(deltas) - 1 else None, lp if k == 0 else None)
+                                  for k, d in enumerate(deltas)]
                     else:
-                        chunk = responses.completion_chunk(
-                            rid, created, model, responses.completion_choice(st.index, out.text_delta, reason, lp))
+                        chunks = [responses.completion_chunk(
+                            rid, created, model, responses.completion_choice(st.index, out.text_delta, reason, lp))]
                     if scored:
-                        chunk["choices"][0]["prompt_logprobs"] = responses.prompt_logprobs_list(
+                        chunks[0]["choices"][0]["prompt_logprobs"] = responses.prompt_logprobs_list(
                             out.prompt_logprobs, self._token_text())
-                    parts.append(responses.sse(chunk))
+                    parts.extend(responses.sse(c) for c in chunks)
                 if parts:
                     yield b"".join(parts)
             if prep.include_usage:
@@ -327,20 +333,14 @@ class Serving:
         finally:
             self.aengine.release(group)
 
-
     @staticmethod
-    def _chat_delta(calls: CallStream | None, text: str, last: bool) -> dict[str, Any]:
-        """A chat chunk's delta: the text, or with tools the text outside ``<tool_call>`` blocks
-        and each call once its block closed."""
+    def _chat_deltas(calls: CallStream | None, text: str, last: bool) -> list[dict[str, Any]]:
+        """A chat choice's deltas for ``text``: the text itself, or with tools the text outside
+        ``<tool_call>`` blocks and each call's first entry and argument pieces (api/tool_stream.py)."""
         if calls is None:
-            return {"content": text} if text else {}
-        content, found = calls.feed(text)
-        if last:
-            content += calls.finish()
-        delta: dict[str, Any] = {"content": content} if content else {}
-        if found:
-            delta["tool_calls"] = found
-        return delta
+            return [{"content": text}] if text else []
+        deltas = calls.feed(text)
+        return deltas + calls.finish() if last else deltas
 
 
 @functools.lru_cache(maxsize=8)

@@ -242,3 +242,52 @@ def test_echo_with_logprobs_scores_the_prompt():
     with pytest.raises(APIError) as e:
         params.sampling_params(chat(prompt_logprobs=21), 4, None)
     assert e.value.param == "prompt_logprobs"
+
+
+def _tiny_tokenizer():
+    from kvmesh.engine.model.tokenizer import Tokenizer
+    from tests.support.tiny_models import make_tiny_tokenizer
+
+    return Tokenizer(make_tiny_tokenizer())
+
+
+def _request_error(body: dict) -> APIError:
+    """The 400 a chat body gets, from the protocol's checks or from sampling_params."""
+    try:
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+    except ValidationError as e:
+        return errors.from_validation_errors(e.errors())
+    with pytest.raises(APIError) as e:
+        params.sampling_params(req, 4, None, _tiny_tokenizer())
+    return e.value
+
+
+@pytest.mark.parametrize("bad, param, text", [
+    ("Paris", "bad_words", "list"),
+    ([1], "bad_words.0", "string"),
+    (["ok", ""], "bad_words", "not only whitespace"),
+    ([" \n"], "bad_words", "not only whitespace"),
+    (["w"] * 101, "bad_words", "at most 100"),
+    (["x" * 101], "bad_words", "1 to 100 characters"),
+    (["😀" * 20], "bad_words.0", "at most 32"),
+])
+def test_malformed_bad_words_are_400s_naming_the_field(bad, param, text):
+    err = _request_error({"bad_words": bad})
+    assert (err.status, err.param) == (400, param) and text in err.message, err.message
+
+
+def test_bad_words_tokenize_at_the_start_and_after_a_space_as_vllm_does():
+    tok = _tiny_tokenizer()
+    seqs = params.bad_words_token_ids(tok, ["Paris", "  quick brown", "the"])
+    expect = []
+    for word in ("Paris", "quick brown", "the"):
+        plain, spaced = tok.encode(word), tok.encode(" " + word)
+        expect.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            expect.append(spaced)
+    assert seqs == expect and len(seqs) > 3, "some word is also banned after a space"
+    p = params.sampling_params(chat(bad_words=["Paris"], n=2), 4, None, tok)
+    assert p.bad_words_token_ids == seqs[:len(p.bad_words_token_ids)] and p.controls_logits
+    copies = params.expand_choices(p, 2, 1)
+    assert copies[1].params.bad_words_token_ids == p.bad_words_token_ids
+    assert copies[1].params.bad_words_token_ids is not p.bad_words_token_ids

@@ -1,27 +1,14 @@
-"""Tool calls (engine/api/tools.py): parsing the request, rendering the prompt, the grammar of
-`required` / named choices, and calls parsed from text, streamed or not. Pure functions; the
-grammar is compiled by the real llguidance over the tiny models' real BPE tokenizer."""
+"""Tool calls (engine/api/tools.py): parsing the request, rendering the prompt and the grammar of
+`required` / named choices (reading calls out of text is tests/api/test_tool_stream.py). Pure
+functions; the grammar is compiled by the real llguidance over the tiny models' real BPE tokenizer."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
 from kvmesh.engine.api import params, tools
 from kvmesh.engine.api.errors import APIError
-from kvmesh.engine.api.protocol import ChatCompletionRequest
-
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string"},
-                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
-                                                "required": ["city", "unit"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-
-
-def chat(**kw) -> ChatCompletionRequest:
-    return ChatCompletionRequest(messages=kw.pop("messages", [{"role": "user", "content": "hi"}]), **kw)
+from tests.support.tool_defs import TIME, WEATHER, chat
 
 
 @pytest.mark.parametrize("kw, param, text", [
@@ -76,41 +63,17 @@ def test_the_generic_format_renders_tools_calls_and_results_into_the_prompt():
     assert kwargs["tools"][0]["function"]["name"] == "get_weather" and native[2]["tool_calls"]
 
 
-def test_calls_are_parsed_and_anything_else_stays_text():
-    setup = params.tool_setup(chat(tools=[WEATHER, TIME]))
-    text = ('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
-            '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
-    content, calls = tools.parse_calls(text, setup)
-    assert content == "Let me check."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("get_weather", {"city": "Oslo", "unit": "celsius"}), ("get_time", {})]
-    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
-    for plain in ("no calls here", '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
-                  "<tool_call>not json</tool_call>", "<tool_call>{\"name\": \"get_time\""):
-        assert tools.parse_calls(plain, setup) == (plain, [])
-
-
-@pytest.mark.parametrize("cut", [1, 3, 7, 100])
-def test_streamed_calls_equal_the_parsed_ones_however_the_text_is_cut(cut):
-    setup = params.tool_setup(chat(tools=[WEATHER, TIME]))
-    text = ('Sure <tool_call>{"name": "get_time", "arguments": {}}</tool_call> and <tool_ca'
-            'not a call')
-    stream = tools.CallStream(setup)
-    content, found = "", []
-    for i in range(0, len(text), cut):
-        c, f = stream.feed(text[i:i + cut])
-        content += c
-        found += f
-    content += stream.finish()
-    assert content == "Sure  and <tool_canot a call"
-    assert [(f["index"], f["function"]["name"]) for f in found] == [(0, "get_time")]
-
-
-def test_the_grammar_of_a_named_or_required_choice_compiles():
+def test_the_grammar_of_a_named_or_required_choice_compiles_and_is_compact():
     from kvmesh.engine.structured.grammar import GrammarCompiler, StructuredOutput
     from tests.support.tiny_models import TINY_VOCAB, make_tiny_tokenizer
 
-    compiler = GrammarCompiler(make_tiny_tokenizer(), TINY_VOCAB, (0,))
+    tok = make_tiny_tokenizer()
+    compiler = GrammarCompiler(tok, TINY_VOCAB, (0,))
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         setup = params.tool_setup(chat(tools=[WEATHER, TIME], tool_choice=choice))
-        compiler.prepare(StructuredOutput("grammar", tools.grammar(setup), "tool_choice"))
+        spec = StructuredOutput("grammar", tools.grammar(setup), "tool_choice")
+        compiler.prepare(spec)
+        for text, ok in (('<tool_call>{"name":"get_weather","arguments":{"city":"Oslo","unit":"celsius"}}</tool_call>',
+                          True), ('<tool_call>{"name": "get_weather"', False)):
+            matcher = compiler.matcher(spec)
+            assert all(matcher.consume_token(t) for t in tok.encode(text)) == ok, text

@@ -35,6 +35,11 @@ def _reference(logits: torch.Tensor, req: Request) -> torch.Tensor:
     if len(req.output_token_ids) < p.min_tokens:
         for t in (*EOS, *p.stop_token_ids):
             row[t] = float("-inf")
+    out = req.output_token_ids
+    for word in p.bad_words_token_ids:
+        *head, last = word
+        if len(head) <= len(out) and (not head or out[len(out) - len(head):] == head):
+            row[last] = float("-inf")
     seen = set(req.prompt_token_ids) | set(req.output_token_ids)
     for t in range(len(row)):
         if t in seen and p.repetition_penalty != 1.0:
@@ -61,7 +66,21 @@ def _random_request(rng: random.Random, i: int) -> Request:
         params["allowed_token_ids"] = rng.sample(range(VOCAB), rng.randrange(1, 10))
     prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 20))]
     output = [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 12))]
+    if rng.random() < 0.4:
+        params["bad_words_token_ids"] = [_bad_word(rng, output) for _ in range(rng.randrange(1, 5))]
     return _request(f"r{i}", prompt, output, **params)
+
+
+def _bad_word(rng: random.Random, output: list[int]) -> list[int]:
+    """A token sequence that often continues `output` (its head is the output's tail), sometimes
+    nearly (one token off), sometimes not at all."""
+    k = rng.randrange(0, min(len(output), 4) + 1)
+    head = output[len(output) - k:] if k else []
+    if head and rng.random() < 0.25:
+        head = [*head[:-1], (head[-1] + 1) % VOCAB]
+    if rng.random() < 0.2:
+        head = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 6))]
+    return [*head, rng.randrange(VOCAB)]
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -107,6 +126,22 @@ def test_rows_are_reused_after_release_and_the_table_grows():
     assert len(proc.table.rows) == 11
 
 
+def test_a_bad_word_is_banned_once_its_head_was_generated():
+    """"bad" = tokens 5, 6, 7: token 7 is banned right after 5, 6 and only then; a one-token word
+    (9) always is; nothing else moves."""
+    req = _request("r", [1], [], bad_words_token_ids=[[5, 6, 7], [9]])
+    proc = LogitsProcessor(VOCAB, EOS, torch.device("cpu"))
+    banned = []
+    for t in (5, 6, 8, 5, 6):
+        row = proc.apply(torch.zeros(1, VOCAB), [req])[0]
+        banned.append(sorted(int(x) for x in torch.nonzero(row == float("-inf"))))
+        assert torch.count_nonzero(row[torch.isfinite(row)]) == 0
+        req.append_token(t)
+    row = proc.apply(torch.zeros(1, VOCAB), [req])[0]
+    banned.append(sorted(int(x) for x in torch.nonzero(row == float("-inf"))))
+    assert banned == [[9], [9], [7, 9], [9], [9], [7, 9]]
+
+
 def test_requests_without_controls_pass_through_untouched():
     reqs = [_request("plain", [1], [1, 1]), _request("biased", [1], [], logit_bias={3: 5.0})]
     logits = torch.randn(2, VOCAB)
@@ -124,6 +159,10 @@ def test_requests_without_controls_pass_through_untouched():
     ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be non-negative token ids"),
     ({"min_tokens": 51}, "min_tokens must be an integer between 0 and max_tokens (50)"),
     ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+    ({"bad_words_token_ids": [[]]}, "bad_words_token_ids must be at most 200 lists of 1 to 32"),
+    ({"bad_words_token_ids": [[1, -2]]}, "bad_words_token_ids must be"),
+    ({"bad_words_token_ids": [[1]] * 201}, "bad_words_token_ids must be"),
+    ({"bad_words_token_ids": [list(range(33))]}, "bad_words_token_ids must be"),
 ])
 def test_out_of_range_controls_are_refused_with_the_range(params, message):
     with pytest.raises(InvalidSamplingParams) as e:

@@ -58,6 +58,7 @@ FIELDS = {
     "best_of": SMALL_INT | JSON, "suffix": JSON,
     "repetition_penalty": st.floats(-1, 3) | JSON, "prompt_logprobs": SMALL_INT | JSON, "min_tokens": SMALL_INT | JSON,
     "allowed_token_ids": st.lists(st.integers(-5, 400), max_size=4) | JSON,
+    "bad_words": st.lists(st.text(max_size=6), max_size=3) | JSON,
     "guided_json": SCHEMA | st.text(max_size=20) | JSON, "guided_regex": st.text(max_size=12) | JSON,
     "guided_choice": st.lists(st.text(max_size=5), max_size=3) | JSON, "guided_grammar": st.text(max_size=20) | JSON,
     "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object"]),

@@ -8,6 +8,11 @@ SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(al
            | st.text(max_size=20) | st.sampled_from(["", "fake-model", "user", "assistant", "\x00", "é" * 50]))
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
                     | st.dictionaries(st.text(max_size=10), inner, max_size=4), max_leaves=10)
+# Values json.dumps writes as RFC 8259 JSON (no NaN or Infinity), for parsers that follow the RFC.
+FINITE_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12), lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 SMALL_INT = st.integers(-3, 70) | st.sampled_from([2**31, 2**63, -2**63])
 # JSON schemas: mostly well-formed, with any keywords and values a client might send.
 SCHEMA = st.recursive(

@@ -9,6 +9,7 @@ can share one load.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -39,8 +40,10 @@ def loaded(model_dir):
     return load_model(str(model_dir), torch.float32)
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
-    """transformers' greedy tokens, recomputing the whole unpaged sequence every step."""
+def hf_greedy(model_dir, prompts: list[list[int]], max_new: int = MAX_NEW,
+              banned: Callable[[list[int]], list[int]] | None = None) -> list[list[int]]:
+    """transformers' greedy tokens, recomputing the whole unpaged sequence every step; `banned`
+    (the tokens generated so far -> token ids) masks tokens before each argmax."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -49,7 +52,10 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new: int = MAX_NEW) -> li
         for prompt in prompts:
             ids = list(prompt)
             for _ in range(max_new):
-                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+                logits = hf(torch.tensor([ids])).logits[0, -1]
+                if banned is not None:
+                    logits[banned(ids[len(prompt):])] = float("-inf")
+                ids.append(int(logits.argmax()))
             out.append(ids[len(prompt):])
     return out
 
