@@ -19,7 +19,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..transfer import protocol
@@ -29,6 +28,7 @@ from ..transfer.errors import HeaderMismatch, TransferTimeout
 from ..transfer.header import BlockLayout, check_layout
 from ..transfer.loop_thread import shared_loop
 from ..transfer.server import KVServer
+from ..transfer.staging import StagingPool
 from .checks import Limits, check_push, check_reserve, check_transfer_id
 from .errors import BadField, HandoffError, NoRoom, TooLarge, UnknownTransfer
 from kvmesh.engine.kv.gather import block_shape, cache_layout
@@ -55,6 +55,8 @@ class DecodeHandler:
         self.block_shape = block_shape(engine.runner.kv_cache)
         self.dtype = engine.runner.kv_cache.dtype
         self.payload_timeout_s = payload_timeout_s
+        self.staging = StagingPool()
+        """Where pushes land; each buffer comes back once its blocks are in the KV cache."""
         self.limits = Limits(engine.model_config.vocab_size, engine.max_model_len, engine.kv.num_total_blocks,
                              str(engine.device))
         self.blocks_received = 0
@@ -116,7 +118,7 @@ class DecodeHandler:
         data = None
         if n:
             nbytes = self.layout.nbytes
-            buf = np.empty(n * nbytes, np.uint8)
+            buf = self.staging.take(n * nbytes)
             try:
                 await asyncio.wait_for(ch.recv_payloads_into([buf[i * nbytes:(i + 1) * nbytes] for i in range(n)]),
                                        self.payload_timeout_s)
@@ -124,11 +126,17 @@ class DecodeHandler:
                 raise TransferTimeout(f"push of {n} blocks for {msg.transfer_id} did not arrive within "
                                       f"{self.payload_timeout_s:.0f}s") from None
             data = torch.from_numpy(buf).view(self.dtype).view(n, *self.block_shape)
+        filled = self.engine.decode.fill(msg.transfer_id, msg.start, data, msg.final, msg.first)
         try:
-            await asyncio.wrap_future(self.engine.decode.fill(msg.transfer_id, msg.start, data, msg.final, msg.first))
+            await asyncio.wrap_future(filled)
         except HandoffError as e:
             await ch.send(_refusal(e))
             return
+        finally:
+            # Only once the step thread is done with the bytes (copied into the KV cache, or refused):
+            # a fill still queued when this wait was cancelled keeps its buffer to itself.
+            if n and filled.done() and not filled.cancelled():
+                self.staging.give(buf)
         self.blocks_received += n
         self.bytes_received += n * self.layout.nbytes
         await ch.send(protocol.PushDone(n))

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..transfer.errors import ConnectFailed, PeerGone
+from ..transfer.staging import StagingPool
 
 log = logging.getLogger("kvmesh.engine.remote")
 
@@ -74,6 +75,8 @@ class CacheNodeLink:
         self._last_attempt = -float("inf")
         self._closed = False
         self.peer: str | None = None
+        self.staging = StagingPool()
+        """Where fetches land; the remote tier hands each batch back once it is in the KV cache."""
         self.resolve_async()
 
     def clients(self) -> tuple[Any, Any] | None:
@@ -119,7 +122,8 @@ class CacheNodeLink:
             old, same = self._clients, self.peer == f"{addr}:{ucx_port}"
             if not same or old is None:
                 self._clients = (KVClient(addr, ucx_port, loop=self._loop, max_pending=64, max_connections=2,
-                                          timeout=self.timeout, connect_timeout=min(2.0, self.timeout), token=self.token),
+                                          timeout=self.timeout, connect_timeout=min(2.0, self.timeout), token=self.token,
+                                          staging=self.staging),
                                  KVClient(addr, ucx_port, loop=self._loop, max_pending=8, max_connections=1,
                                           timeout=self.timeout, connect_timeout=min(2.0, self.timeout), token=self.token))
                 self.peer = f"{addr}:{ucx_port}"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -34,6 +35,7 @@ from ..transfer.buffers import KVBlock as WireBlock
 from ..transfer.buffers import as_bytes
 from ..transfer.errors import HeaderMismatch, TransferError
 from ..transfer.header import BlockHeader, BlockLayout
+from ..transfer.staging import StagingPool
 from kvmesh.engine.block_hash import BlockHash
 from .host_tier import TierStats
 
@@ -58,6 +60,8 @@ class Fetch:
     future: concurrent.futures.Future | None
     blocks: torch.Tensor | None = None
     """Set once done: ``[n, layers, 2, block_size, heads, dim]``, n = 0 on a miss or failure."""
+    buffer: np.ndarray | None = None
+    """The bytes under ``blocks`` as they landed (handed back with ``RemoteTier.recycle``)."""
 
     @property
     def done(self) -> bool:
@@ -82,7 +86,9 @@ class RemoteTier:
 
     def __init__(self, clients: Callable[[], tuple[BlockClient, BlockClient] | None], layout: BlockLayout,
                  block_shape: tuple[int, ...], dtype: torch.dtype, *, timeout: float = 5.0,
-                 max_inflight_bytes: int = 256 << 20, on_failure: Callable[[Exception], None] | None = None) -> None:
+                 max_inflight_bytes: int = 256 << 20, on_failure: Callable[[Exception], None] | None = None,
+                 staging: StagingPool | None = None) -> None:
+        """``staging``: the pool the fetch client lands batches in; ``recycle`` hands them back."""
         self._clients = clients
         self.layout = layout
         self.block_shape = block_shape
@@ -90,6 +96,9 @@ class RemoteTier:
         self.timeout = timeout
         self.max_inflight_bytes = max_inflight_bytes
         self._on_failure = on_failure
+        self._staging = staging
+        self.last_fetch: tuple[int, float] | None = None
+        """(bytes, seconds from asking to holding them) of the latest fetch that succeeded."""
         self._fetches: dict[str, Fetch] = {}
         self._lock = threading.Lock()  # counters touched by transfer-loop callbacks
         self._inflight_bytes = 0
@@ -111,8 +120,17 @@ class RemoteTier:
         f = Fetch(start, list(hashes), fut)
         if fut is None:
             f.blocks = self._none()
+        else:
+            t0 = time.perf_counter()
+            fut.add_done_callback(lambda done, t0=t0: self._fetched(done, t0))
         self._fetches[request_id] = f
         return f
+
+    def _fetched(self, fut: concurrent.futures.Future, t0: float) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        with self._lock:
+            self.last_fetch = (len(fut.result()) * self.layout.nbytes, time.perf_counter() - t0)
 
     def pending(self) -> list[concurrent.futures.Future]:
         return [f.future for f in self._fetches.values() if f.future is not None and not f.future.done()]
@@ -127,19 +145,24 @@ class RemoteTier:
         if f is None or not f.done:
             return None
         if f.blocks is None:
-            f.blocks = self._blocks_of(f)
+            f.blocks, f.buffer = self._blocks_of(f)
         return f
+
+    def recycle(self, buffer: np.ndarray | None) -> None:
+        """A fetched batch is in the KV cache now: its buffer may receive the next fetch."""
+        if buffer is not None and self._staging is not None:
+            self._staging.give(buffer)
 
     def _none(self) -> torch.Tensor:
         return torch.empty((0, *self.block_shape), dtype=self.dtype)
 
-    def _blocks_of(self, f: Fetch) -> torch.Tensor:
+    def _blocks_of(self, f: Fetch) -> tuple[torch.Tensor, np.ndarray | None]:
         assert f.future is not None
         try:
             got: list[WireBlock] = f.future.result(timeout=0)
         except (TransferError, concurrent.futures.CancelledError, RuntimeError) as e:
             self._failed(e)
-            return self._none()
+            return self._none(), None
         n = 0
         for want, blk in zip(f.hashes, got):
             if blk.block_hash != want or blk.header.layout != self.layout:  # the client checked; belt and braces
@@ -147,9 +170,9 @@ class RemoteTier:
                 break
             n += 1
         if not n:
-            return self._none()
+            return self._none(), None
         flat = one_buffer([b.data for b in got[:n]])
-        return torch.from_numpy(flat).view(self.dtype).view(n, *self.block_shape)
+        return torch.from_numpy(flat).view(self.dtype).view(n, *self.block_shape), flat
 
     def forget(self, request_id: str) -> None:
         """Drop the request's fetch (admitted, finished or aborted); a running get is abandoned."""

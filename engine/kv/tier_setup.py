@@ -38,5 +38,5 @@ def build_tiers(cfg: EngineConfig, kv: KVCacheManager, kv_cache: torch.Tensor,
         link = CacheNodeLink(cfg.cache_node, timeout=cfg.cache_node_timeout,
                              token=lambda: token.token if token is not None else None)
         remote = RemoteTier(link.clients, cache_layout(kv.extra, kv_cache), shape, kv_cache.dtype,
-                            timeout=cfg.cache_node_timeout, on_failure=link.on_failure)
+                            timeout=cfg.cache_node_timeout, on_failure=link.on_failure, staging=link.staging)
     return KVTiers(kv, kv_cache, host, remote), link

@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -72,8 +73,8 @@ class KVTiers:
         self.host = host
         self.remote = remote
         self.block_size = kv.block_size
-        self._remote_loads: list[tuple[torch.Tensor, list[int]]] = []
-        """(blocks, their primary block ids) per admission since the last flush."""
+        self._remote_loads: list[tuple[torch.Tensor, list[int], Any]] = []
+        """(blocks, their primary block ids, the fetch's buffer) per admission since the last flush."""
 
     # ---- admission ----------------------------------------------------------------------------
     def lookup(self, request_id: str, num_tokens: int, num_primary_blocks: int) -> LowerHits | None:
@@ -126,7 +127,7 @@ class KVTiers:
                 self.remote.stats.hits += m * self.block_size
                 self.remote.stats.promotions += m
             if m:
-                self._remote_loads.append((got, ids[k:k + m]))
+                self._remote_loads.append((got, ids[k:k + m], f.buffer if f is not None else None))
             self.remote.forget(request_id)
 
     def cancel(self, hits: LowerHits | None) -> None:
@@ -165,14 +166,15 @@ class KVTiers:
         """Apply pending saves, then every pending load: one scatter into the KV cache per source
         (the host tier's loads, each admission's fetch), straight from where the bytes landed."""
         self.save_evicted()
-        loads = list(self._remote_loads)
-        self._remote_loads.clear()
         if self.host is not None:
             loaded = self.host.take_loads()
             if loaded is not None:
-                loads.append(loaded)
-        for data, ids in loads:
+                scatter_blocks(self.kv_cache, loaded[1], loaded[0])
+        remote, self._remote_loads = self._remote_loads, []
+        for data, ids, buffer in remote:
             scatter_blocks(self.kv_cache, ids, data)
+            if self.remote is not None:
+                self.remote.recycle(buffer)
 
     def after_step(self, segments: Sequence[CachedSegment]) -> concurrent.futures.Future | None:
         """Write the blocks this step made full through to the cache node (asynchronously).

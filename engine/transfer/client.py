@@ -42,6 +42,7 @@ from .errors import (AuthFailed, ConnectFailed, HeaderMismatch, PeerGone, Protoc
 from .header import BlockBatch, BlockLayout, check_batch
 from .loop_thread import LoopThread
 from .posted import start
+from .staging import StagingPool
 
 T = TypeVar("T")
 
@@ -71,10 +72,11 @@ class AsyncKVClient:
 
     def __init__(self, host: str, port: int, *, timeout: float = 10.0, connect_timeout: float = 5.0,
                  max_connections: int = 2, token: TokenSource = no_token, shm: bool | None = None,
-                 lane_chunk_bytes: int = shm_lane.DEFAULT_CHUNK_BYTES) -> None:
+                 lane_chunk_bytes: int = shm_lane.DEFAULT_CHUNK_BYTES, staging: StagingPool | None = None) -> None:
         """``token``: the deployment's internal token, proven to the peer and required of it on
         every new connection (transfer/auth.py). ``shm``: offer a same-host lane on each new
-        connection (``shm_lane``; default: on unless ``KVMESH_KV_SHM=0``)."""
+        connection (``shm_lane``; default: on unless ``KVMESH_KV_SHM=0``). ``staging``: where a
+        ``get`` lands its batch (buffers its caller hands back after use), else fresh memory."""
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.host, self.port = host, port
@@ -84,6 +86,7 @@ class AsyncKVClient:
         self.token = token
         self.shm = shm_lane.enabled_by_env() if shm is None else shm
         self.lane_chunk_bytes = lane_chunk_bytes
+        self.staging = staging
         self._slots: asyncio.Semaphore | None = None  # created on the loop that uses it
         self._max = max_connections
         self._idle: list[Channel] = []
@@ -154,7 +157,7 @@ class AsyncKVClient:
             # One buffer for the batch: the blocks come back as consecutive views of it, so a
             # receiver that loads them all (the engine's remote tier) scatters with no copy first.
             nb = layout.nbytes
-            buf = np.empty(n * nb, np.uint8)
+            buf = self.staging.take(n * nb) if self.staging is not None else np.empty(n * nb, np.uint8)
             views = [buf[i * nb:(i + 1) * nb] for i in range(n)]
             await ch.recv_payloads_into(views)
             return [KVBlock(h, d) for h, d in zip(batch.headers(), views)]

@@ -19,6 +19,11 @@ DEFAULTS = {
     # waiting for the next request) polls with asyncio.sleep(0) and keeps a whole core busy;
     # with them it sleeps until ucxx's progress thread completes it.
     "UCXPY_ENABLE_PYTHON_FUTURE": "1",
+    # UCX's TCP transport copies through segments of this size (default 8 KiB): KV payloads are
+    # hundreds of KiB per block, and bigger segments cut the per-segment work. Measured with
+    # bench/kv_transfer.py's network path (docs/benchmarks.md, "KV transfer").
+    "UCX_TCP_TX_SEG_SIZE": "512k",
+    "UCX_TCP_RX_SEG_SIZE": "512k",
 }
 
 
