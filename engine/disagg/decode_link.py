@@ -57,6 +57,8 @@ class DecodeHandler:
         self.payload_timeout_s = payload_timeout_s
         self.staging = StagingPool()
         """Where pushes land; each buffer comes back once its blocks are in the KV cache."""
+        self.recycle = engine.runner.kv_cache.device.type == "cpu"
+        """Only where the fill's copy is synchronous: on a GPU it may still read the buffer."""
         self.limits = Limits(engine.model_config.vocab_size, engine.max_model_len, engine.kv.num_total_blocks,
                              str(engine.device))
         self.blocks_received = 0
@@ -135,7 +137,7 @@ class DecodeHandler:
         finally:
             # Only once the step thread is done with the bytes (copied into the KV cache, or refused):
             # a fill still queued when this wait was cancelled keeps its buffer to itself.
-            if n and filled.done() and not filled.cancelled():
+            if n and self.recycle and filled.done() and not filled.cancelled():
                 self.staging.give(buf)
         self.blocks_received += n
         self.bytes_received += n * self.layout.nbytes

@@ -171,9 +171,12 @@ class KVTiers:
             if loaded is not None:
                 scatter_blocks(self.kv_cache, loaded[1], loaded[0])
         remote, self._remote_loads = self._remote_loads, []
+        # On a GPU the scatter's host-to-device copy may still be reading the buffer when it
+        # returns, so buffers go back to the pool only where the copy is synchronous.
+        recycle = self.remote is not None and self.kv_cache.device.type == "cpu"
         for data, ids, buffer in remote:
             scatter_blocks(self.kv_cache, ids, data)
-            if self.remote is not None:
+            if recycle:
                 self.remote.recycle(buffer)
 
     def after_step(self, segments: Sequence[CachedSegment]) -> concurrent.futures.Future | None:

@@ -152,3 +152,21 @@ def test_killed_node_mid_get_is_a_clean_bounded_error(loop):
             assert c.open_connections == 0
     finally:
         node.stop()
+
+
+def test_a_batch_larger_than_the_lane_moves_exactly_between_processes(loop):
+    """Real process on the far side of the same-host lane: a 40 MB put and get spans three 16 MiB
+    chunks, so both slots turn over while the node reads one and this side writes the next."""
+    node = NodeProc().start()
+    lay = layout("bfloat16", block_size=16, layers=30, heads=3, head_dim=64)  # the default model's block
+    blks, _ = blocks(lay, 110)
+    hashes = [b.block_hash for b in blks]
+    try:
+        with KVClient("127.0.0.1", node.ucx_port, loop=loop, timeout=30) as c:
+            assert c.put(blks).result(60) == [protocol.STORED] * 110
+            assert c._client.lanes == 1, "a node on this host should have taken the lane"
+            got = c.get(lay, hashes).result(60)
+            assert [g.header for g in got] == [b.header for b in blks]
+            assert all(torch.equal(torch.from_numpy(g.data), torch.from_numpy(b.data)) for g, b in zip(got, blks))
+    finally:
+        node.stop()
