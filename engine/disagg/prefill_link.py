@@ -95,6 +95,10 @@ class DecodeLinks:
             return await c.push(msg, payloads)
 
         n = await self._on_loop(self._guarded(host, port, run))
+        if handoff.buffer is not None and handoff.recycle is not None:
+            # Pushed and acknowledged: nothing reads the buffer any more. A failed push keeps it
+            # out of the pool, since an abandoned send may still be reading it.
+            handoff.recycle(handoff.buffer)
         return PushResult(n, handoff.nbytes, time.perf_counter() - t0)
 
     async def cancel(self, host: str, port: int, transfer_id: str) -> None:

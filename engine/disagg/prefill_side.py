@@ -12,18 +12,21 @@ a release for an unknown consumer or request is ignored (a late confirmation aft
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvmesh.engine.block_hash import BlockHash
-from ..kv.gather import gather_blocks
+from ..kv.gather import block_shape, gather_blocks
 from ..kv.kv_manager import KVCacheManager
 from ..outputs import TokenLogprob
 from ..request import Request
 from ..transfer.protocol import FirstToken
+from ..transfer.staging import StagingPool
 
 DECODE = "decode"
 
@@ -42,6 +45,10 @@ class KVHandoff:
     data: torch.Tensor | None
     first: FirstToken
     num_prompt_tokens: int
+    buffer: np.ndarray | None = None
+    """The staging buffer under ``data`` when it came from a pool: hand it back (``recycle``) only
+    after the push that read it completed."""
+    recycle: Callable[[np.ndarray], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -137,6 +144,9 @@ class PrefillRole:
         self.timeout_s = timeout_s
         self.post = post
         self.held = HeldBlocks(kv)
+        # Gathers land in reused buffers on a CPU engine (no page faults per handoff); on a GPU
+        # the copy to the host goes through pageable memory as before.
+        self.staging = StagingPool() if kv_cache.device.type == "cpu" else None
 
     def __len__(self) -> int:
         """Requests whose blocks wait for their consumers."""
@@ -163,7 +173,9 @@ class PrefillRole:
         first = FirstToken(token, lp.logprob if lp else None, list(lp.top) if lp else [], gen_state,
                            max(0, req.num_cached_tokens))
         self.held.hold(req.request_id, now + self.timeout_s)
-        return KVHandoff(req.request_id, start, rest.hashes if rest else [], rest.data if rest else None, first, n)
+        if rest is None:
+            return KVHandoff(req.request_id, start, [], None, first, n)
+        return dataclasses.replace(rest, first=first)
 
     def track_saves(self, request_ids: Iterable[str], saved: Future) -> None:
         """These handed-off requests' blocks are being written through to the cache node: release
@@ -190,6 +202,13 @@ class PrefillRole:
         full = n // self.kv.block_size
         chain = self.kv.extend_chain(req.request_id, req.prompt_token_ids, min(full, end), req.kv_root)
         hashes = [chain[i] if i < full else None for i in range(start, end)]
-        data = gather_blocks(self.kv_cache, self.kv.block_ids(req.request_id)[start:end])
+        ids = self.kv.block_ids(req.request_id)[start:end]
+        buf = out = None
+        if self.staging is not None:
+            shape = block_shape(self.kv_cache)
+            buf = self.staging.take(len(ids) * self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size())
+            out = torch.from_numpy(buf).view(self.kv_cache.dtype).view(len(ids), *shape)
+        data = gather_blocks(self.kv_cache, ids, out)
         req.handoff_sent = end
-        return KVHandoff(req.request_id, start, hashes, data, None, n)
+        return KVHandoff(req.request_id, start, hashes, data, None, n, buf,
+                         self.staging.give if self.staging is not None else None)
