@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvmesh.engine.cachenode.service import CacheNodeHandler
 from kvmesh.engine.cachenode.store import BlockStore
+from kvmesh.engine.transfer.channel import Channel
 from kvmesh.engine.transfer import protocol, shm_lane
 from kvmesh.engine.transfer.client import AsyncKVClient, KVClient
 from kvmesh.engine.transfer.errors import PeerGone, ProtocolError, TransferError
@@ -25,6 +26,7 @@ from kvmesh.engine.transfer.server import KVServer
 from kvmesh.engine.transfer.shm_lane import LaneUnavailable, ShmLane
 
 from tests.support.kv_blocks import blocks, layout
+from tests.support.kv_server import Node
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not os.path.isdir(shm_lane.SHM_DIR), reason="no /dev/shm on this machine")]
@@ -103,24 +105,23 @@ def loop():
     lt.close()
 
 
-class Node:
-    def __init__(self, loop: LoopThread, shm: bool = True) -> None:
-        self.loop = loop
-        self.store = BlockStore(1 << 30)
-        self.server = KVServer(CacheNodeHandler(self.store, payload_timeout=2.0), shm=shm)
-        loop.call(self.server.start(), 10)
+def lane_node(loop: LoopThread, shm: bool = True) -> Node:
+    # Small chunks: a put spans many, and both slots turn over.
+    return Node(loop, shm=shm, client_defaults={"lane_chunk_bytes": MiB, "timeout": 20})
 
-    def client(self, **kw) -> KVClient:
-        kw.setdefault("lane_chunk_bytes", MiB)  # small chunks: a put spans many, and both slots turn over
-        return KVClient("127.0.0.1", self.server.port, loop=self.loop, timeout=20, **kw)
 
-    def close(self) -> None:
-        self.loop.call(self.server.close(), 10)
+async def open_put(node: Node, blks: list, **kw) -> Channel:  # noqa: ANN003
+    """A raw connection to ``node`` that has offered ``blks`` and been told which to send."""
+    c = AsyncKVClient("127.0.0.1", node.server.port, **kw)
+    ch = await c._connect()
+    await ch.send(protocol.PutOffer(BlockBatch.of([b.header for b in blks])))
+    await ch.expect(protocol.PutWant)
+    return ch
 
 
 def test_put_and_get_through_the_lane_are_byte_exact_and_leave_no_files(loop):
     before = lane_files()
-    node = Node(loop)
+    node = lane_node(loop)
     lay = layout("bfloat16", block_size=16, layers=8, heads=4, head_dim=64)  # 128 KiB a block
     blks, _ = blocks(lay, 40)  # 5 MiB: five 1-MiB chunks per direction
     try:
@@ -141,7 +142,7 @@ def test_put_and_get_through_the_lane_are_byte_exact_and_leave_no_files(loop):
 
 @pytest.mark.parametrize("server_shm, client_shm", [(False, True), (True, False)])
 def test_either_side_without_lanes_keeps_the_network_path(loop, server_shm, client_shm):
-    node = Node(loop, shm=server_shm)
+    node = lane_node(loop, shm=server_shm)
     lay = layout(block_size=16, layers=4)
     blks, _ = blocks(lay, 6)
     try:
@@ -159,7 +160,7 @@ def _run(loop: LoopThread, coro):  # noqa: ANN001, ANN202
 
 
 def test_an_offer_naming_a_file_it_does_not_own_is_declined_and_the_connection_serves_on(loop):
-    node = Node(loop)
+    node = lane_node(loop)
     lay = layout(block_size=16, layers=4)
     blks, _ = blocks(lay, 3)
 
@@ -189,17 +190,14 @@ def test_an_offer_naming_a_file_it_does_not_own_is_declined_and_the_connection_s
 
 
 def test_a_peer_that_cuts_its_lane_file_loses_its_connection_and_no_one_else_notices(loop):
-    node = Node(loop)
+    node = lane_node(loop)
     lay = layout("bfloat16", block_size=16, layers=8, heads=4, head_dim=64)
     blks, _ = blocks(lay, 12)
 
     async def hostile():
-        c = AsyncKVClient("127.0.0.1", node.server.port, lane_chunk_bytes=MiB)
-        ch = await c._connect()
+        ch = await open_put(node, blks, lane_chunk_bytes=MiB)
         assert ch.lane is not None
         try:
-            await ch.send(protocol.PutOffer(BlockBatch.of([b.header for b in blks])))
-            await ch.expect(protocol.PutWant)
             ch.lane.write(0, [blks[0].data])
             os.ftruncate(ch.lane.out_fd, 4096)  # the server's read of chunk 0 now comes back short
             await ch.send(protocol.ShmFrame(0, MiB))
@@ -219,15 +217,12 @@ def test_a_peer_that_cuts_its_lane_file_loses_its_connection_and_no_one_else_not
 
 
 def test_a_sender_that_dies_mid_payload_is_a_clean_error_within_the_deadline(loop):
-    node = Node(loop)
+    node = lane_node(loop)
     lay = layout("bfloat16", block_size=16, layers=8, heads=4, head_dim=64)
     blks, _ = blocks(lay, 24)
 
     async def dies():
-        c = AsyncKVClient("127.0.0.1", node.server.port, lane_chunk_bytes=MiB)
-        ch = await c._connect()
-        await ch.send(protocol.PutOffer(BlockBatch.of([b.header for b in blks])))
-        await ch.expect(protocol.PutWant)
+        ch = await open_put(node, blks, lane_chunk_bytes=MiB)
         n = ch.lane.write(0, [b.data for b in blks[:8]])
         await ch.send(protocol.ShmFrame(0, n))
         await ch.expect(protocol.ShmAck)

@@ -15,14 +15,13 @@ import pytest
 import torch
 
 from kvmesh.engine.cachenode.service import CacheNodeHandler
-from kvmesh.engine.cachenode.store import BlockStore
 from kvmesh.engine.transfer import protocol
 from kvmesh.engine.transfer.client import ClientBusy, KVClient
 from kvmesh.engine.transfer.errors import ConnectFailed, HeaderMismatch, PeerGone, TransferTimeout
 from kvmesh.engine.transfer.loop_thread import LoopThread
-from kvmesh.engine.transfer.server import KVServer
 
 from tests.support.kv_blocks import blocks, layout
+from tests.support.kv_server import Node
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,24 +31,6 @@ def loop():
     lt = LoopThread()
     yield lt
     lt.close()
-
-
-class Node:
-    """A server with a store on ``loop``; ``handler`` may wrap the real one to inject faults."""
-
-    def __init__(self, loop: LoopThread, capacity: int = 1 << 30, wrap=None, shm: bool = False) -> None:
-        self.loop = loop
-        self.shm = shm
-        self.store = BlockStore(capacity)
-        real = CacheNodeHandler(self.store, payload_timeout=2.0)
-        self.server = KVServer(wrap(real) if wrap else real, shm=shm)
-        loop.call(self.server.start(), 10)
-
-    def client(self, **kw) -> KVClient:
-        return KVClient("127.0.0.1", self.server.port, loop=self.loop, shm=self.shm, **kw)
-
-    def close(self) -> None:
-        self.loop.call(self.server.close(), 10)
 
 
 @pytest.fixture(params=[False, True], ids=["ucx", "lane"])
