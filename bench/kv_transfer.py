@@ -12,8 +12,9 @@ one invocation:
   path alone, lanes off, for each ``--tls``).
 
 A put stores fresh hashes each round, so it moves every byte; the node's store then allocates
-(``cold``) until it is full, and reuses evicted blocks' memory from the third round on (the
-node's budget holds two rounds): the steady state of a full cache node.
+until it is full, and reuses evicted blocks' memory from the third round on (the node's budget
+holds two rounds): the steady state of a full cache node. A get lands in a staging pool and hands
+the buffer back after checking it, as an engine does after its scatter.
 
     cd / && /work/main/.venv/bin/python /work/main/bench/kv_transfer.py --tls tcp
 
@@ -39,6 +40,7 @@ from kvmesh.engine.block_hash import extra_key, hash_blocks
 from kvmesh.engine.transfer.buffers import KVBlock
 from kvmesh.engine.transfer.client import KVClient
 from kvmesh.engine.transfer.header import BlockHeader, kv_layout
+from kvmesh.engine.transfer.staging import StagingPool
 from kvmesh.engine.transfer.ucx_env import apply_ucx_defaults
 from kvmesh.engine.util.localproc import free_ports, wait_ready
 
@@ -118,7 +120,9 @@ def path_gbps(path: str, blocks: list[KVBlock], repeat: int) -> dict[str, list[f
         layout = blocks[0].header.layout
         hashes = [b.block_hash for b in blocks]
         res: dict[str, list[float]] = {"put": [], "get": []}
-        with KVClient("127.0.0.1", ucx_port, timeout=120) as c:
+        # As an engine fetches: into a staging pool, each batch handed back once it has been used.
+        staging = StagingPool()
+        with KVClient("127.0.0.1", ucx_port, timeout=120, staging=staging) as c:
             for i in range(repeat):
                 # Fresh hashes per round, so every put really moves its bytes.
                 round_blocks = [KVBlock(BlockHeader(layout, bytes([i]) + b.block_hash[1:], None), b.data)
@@ -131,6 +135,8 @@ def path_gbps(path: str, blocks: list[KVBlock], repeat: int) -> dict[str, list[f
                 got = c.get(layout, [b.block_hash for b in round_blocks]).result(300)
                 res["get"].append(nbytes / (time.perf_counter() - t0) / 1e9)
                 assert len(got) == len(hashes) and np.array_equal(got[-1].data, blocks[-1].data)
+                staging.give(got[0].data)
+                del got
         return res
     finally:
         node.terminate()
