@@ -95,14 +95,21 @@ def analyze(path: str, body: bytes, tokenizer: Any | None) -> PromptInfo:
         if path == CHAT:
             chat = ChatCompletionRequest.model_validate_json(body)
             ids = params.chat_prompt_ids(tokenizer, chat)
-            return PromptInfo(ids, chat.user, len(ids), chat.cache_salt)
-        if path == COMPLETIONS:
+            if _hashable(ids):
+                return PromptInfo(ids, chat.user, len(ids), chat.cache_salt)
+        elif path == COMPLETIONS:
             comp = CompletionRequest.model_validate_json(body)
             prompts = params.completion_prompt_ids(tokenizer, comp)
-            return PromptInfo(prompts[0], comp.user, sum(len(p) for p in prompts), comp.cache_salt)
+            if _hashable(prompts[0]):
+                return PromptInfo(prompts[0], comp.user, sum(len(p) for p in prompts), comp.cache_salt)
     except (pydantic.ValidationError, APIError, ValueError, TypeError):
         pass
     return PromptInfo(user=_user_of(body))
+
+
+def _hashable(ids: Sequence[int]) -> bool:
+    """Token ids the block hash can encode (a prompt of others is the engine's to refuse: 400)."""
+    return all(0 <= t < 1 << 32 for t in ids)
 
 
 def matched_tokens(num_blocks: int, block_size: int, prompt_tokens: int) -> int:

@@ -39,6 +39,7 @@ def test_analyze_tokenizes_as_the_engine_does():
 
 
 @pytest.mark.parametrize("body", [b"{not json", b'{"prompt": ""}', b'{"messages": []}', b"[1]",
+                                  b'{"prompt": [0, 0, 0, -1]}', b'{"prompt": [4294967296]}',
                                   b'{"messages": [{"role": "tool", "content": "x"}], "user": "v"}'])
 def test_analyze_never_rejects_what_it_cannot_read(body):
     info = analyze(CHAT if b"messages" in body else COMPLETIONS, body, TOK)
