@@ -34,9 +34,8 @@ def _timed(acc: collections.Counter, key: str, fn: Callable, gate: Callable[[], 
     return wrapper
 
 
-def instrument(llm, acc: collections.Counter, batch: int) -> Callable[[], None]:
-    """Wrap the step's pieces; counts only steps where ``batch`` requests all decode. Returns a
-    function that ends the current step's bookkeeping (called by the wrapped engine step)."""
+def instrument(llm, acc: collections.Counter, batch: int) -> None:
+    """Wrap the step's pieces; counts only steps where ``batch`` requests all decode."""
     import kvmesh.engine.runner as runner_mod
 
     eng, runner = llm.engine, llm.engine.runner
@@ -90,6 +89,19 @@ def instrument(llm, acc: collections.Counter, batch: int) -> Callable[[], None]:
                 acc["mask.fill (worker)"] += time.perf_counter() - t0
 
     masks._fill = fill
+    if hasattr(masks, "_fill_ahead"):  # the next step's masks, filled right after sampling
+        orig_ahead = masks._fill_ahead
+
+        def fill_ahead(*args, **kwargs):
+            counted = state["on"]
+            t0 = time.perf_counter()
+            try:
+                return orig_ahead(*args, **kwargs)
+            finally:
+                if counted:
+                    acc["mask.fill ahead (worker)"] += time.perf_counter() - t0
+
+        masks._fill_ahead = fill_ahead
     orig_apply = masks.apply
 
     def apply(logits, pending, *args, **kwargs):
@@ -102,7 +114,6 @@ def instrument(llm, acc: collections.Counter, batch: int) -> Callable[[], None]:
             acc["mask.apply"] += time.perf_counter() - t1
 
     masks.apply = apply
-    return lambda: None
 
 
 def main() -> None:
@@ -138,7 +149,8 @@ def main() -> None:
             llm.chat(prompts, params)
             steps = acc.pop("steps", 0) or 1
             row = {k: 1e3 * v / steps for k, v in acc.items()}
-            named = sum(v for k, v in row.items() if k not in ("engine.step", "runner.execute", "mask.fill (worker)"))
+            named = sum(v for k, v in row.items() if k not in ("engine.step", "runner.execute")
+                        and "(worker)" not in k)
             row["runner rest (fp32 copy, Python)"] = row.get("runner.execute", 0.0) - named
             row["engine rest (scheduler, outputs)"] = row.get("engine.step", 0.0) - row.get("runner.execute", 0.0)
             row["steps counted"] = steps
