@@ -123,7 +123,15 @@ class ModelRunner:
         proc = self.logits_processor
         raw = None
         controls = proc.needed(reqs)
-        if pending is not None or controls:
+        if pending is not None and not controls:
+            # Grammar alone: masked in the model's dtype (the -inf it writes and the logits it keeps
+            # upcast exactly, so the sampler picks what the fp32 path picked), and in place unless
+            # logprobs need the unmasked logits.
+            if any(r.params.logprobs is not None for r in reqs):
+                raw = logits
+                logits = logits.clone()
+            masks.apply(logits, pending, raw, False)
+        elif pending is not None or controls:
             raw = logits
             logits = logits.float()
             if logits is raw:  # already fp32: the raw logits stay for logprobs

@@ -38,7 +38,7 @@ from kvmesh.engine.kernels.rope import _check_rope_inputs, rope_write_kv_ref
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("cpu_decode_attention.c", "cpu_extend_attention.c", "cpu_elementwise.c")
+_SOURCES = ("cpu_decode_attention.c", "cpu_extend_attention.c", "cpu_elementwise.c", "cpu_bitmask.c")
 _HEADERS = ("kvmesh_cpu.h",)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 _lock = threading.Lock()
@@ -59,6 +59,8 @@ _SIGNATURES = {  # C prototypes; keep in step with csrc/
     "kvmesh_decode_step_bf16": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I],
     "kvmesh_argmax_bf16": [_P, _I64, _I64, _I64, _P, _I],
     "kvmesh_argmax_f32": [_P, _I64, _I64, _I64, _P, _I],
+    "kvmesh_apply_bitmask_bf16": [_P, _I64, _P, _I64, _P, _I64, _I64],
+    "kvmesh_apply_bitmask_u32": [_P, _I64, _P, _I64, _P, _I64, _I64],
 }
 _RETURNS = {"kvmesh_extend_attention_bf16": ctypes.c_int, "kvmesh_decode_step_bf16": ctypes.c_int}
 
@@ -356,3 +358,28 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     fn = lib.kvmesh_argmax_bf16 if x.dtype == torch.bfloat16 else lib.kvmesh_argmax_f32
     fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def apply_bitmask_cpu(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> bool:
+    """Set ``logits[rows[i], t]`` to -inf wherever bit t of ``mask[i]`` is clear, in place.
+
+    ``mask``: [len(rows), ceil(vocab / 32)] int32 words as llguidance fills them (bit b of word
+    w is token 32 * w + b); ``rows``: row indices, one per mask row. Allowed logits are untouched, so this
+    equals ``masked_fill_`` with the unpacked mask bit for bit. Returns False, touching nothing,
+    when the native path cannot take the tensors (not CPU, not bf16/fp32, non-unit column stride,
+    a mask too short for the vocabulary, a row out of range, no library): the caller then uses
+    its torch path.
+    """
+    if (logits.dim() != 2 or logits.device.type != "cpu" or logits.stride(1) != 1
+            or logits.dtype not in (torch.bfloat16, torch.float32)
+            or mask.dtype != torch.int32 or mask.device.type != "cpu" or mask.dim() != 2 or mask.stride(1) != 1
+            or mask.shape[1] * 32 < logits.shape[1] or len(rows) != mask.shape[0]
+            or (rows and (min(rows) < 0 or max(rows) >= logits.shape[0]))):
+        return False
+    lib = load_library()
+    if lib is None:
+        return False
+    fn = lib.kvmesh_apply_bitmask_bf16 if logits.dtype == torch.bfloat16 else lib.kvmesh_apply_bitmask_u32
+    at = torch.tensor(rows, dtype=torch.int64)
+    fn(logits.data_ptr(), logits.stride(0), mask.data_ptr(), mask.stride(0), at.data_ptr(), len(rows), logits.shape[1])
+    return True

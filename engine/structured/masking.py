@@ -54,9 +54,35 @@ def _byte_bits() -> torch.Tensor:
     return ((v >> torch.arange(8, dtype=torch.int32)) & 1).bool()
 
 
+class _Ahead:
+    """Masks filled ahead, right after a step's tokens advanced the matchers: ``mask[j]`` is the
+    mask of ``states[j]`` after exactly ``consumed[j]`` tokens. Only the worker thread reads it,
+    after it is complete (the worker runs jobs in order)."""
+
+    def __init__(self, states: list[GrammarState], words: int) -> None:
+        self.states = states
+        self.consumed = [s.consumed for s in states]
+        self.mask = torch.empty((len(states), words), dtype=torch.int32)
+        self.index = {id(s): j for j, s in enumerate(states)}
+
+    def row(self, state: GrammarState) -> torch.Tensor | None:
+        j = self.index.get(id(state))
+        if j is None or self.states[j] is not state or self.consumed[j] != state.consumed:
+            return None
+        return self.mask[j]
+
+
 class GrammarMasks:
     """One step's masks: ``start`` before the forward pass, ``apply`` after it, ``advance`` after
-    sampling. The fill runs on a worker thread (llguidance drops the GIL), overlapping the model."""
+    sampling. Fills run on one worker thread (llguidance drops the GIL), in submission order.
+
+    ``advance`` submits the next step's fill for the rows that go on (``_Ahead``), so it runs
+    beside the engine's single-threaded Python between steps rather than competing with the
+    forward pass for the cores; ``start`` then fills only what that missed (new rows, rows that
+    were preempted and caught up). Invariant: a matcher is touched by one thread at a time: the
+    worker between a fill's submission and its result, the step thread (``advance``) only after
+    ``apply`` waited for the step's fill, which runs after any earlier fill ahead.
+    """
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab = vocab_size
@@ -64,60 +90,106 @@ class GrammarMasks:
         self._pool: ThreadPoolExecutor | None = None
         self._executor: Any = None
         self._bits: torch.Tensor | None = None
+        self._ahead: Future | None = None
 
     @staticmethod
     def needed(reqs: Sequence[Any]) -> bool:
         return any(r.grammar is not None for r in reqs)
 
-    def start(self, reqs: Sequence[Any]) -> Future:
-        """Masks [len(reqs), words] (int32 bits; rows of unconstrained requests allow everything)."""
+    def _submit(self, fn: Any, *args: Any) -> Future:
         if self._pool is None:
             import llguidance
 
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
             self._executor = llguidance.LLExecutor(num_threads=1)
-        return self._pool.submit(self._fill, [(i, r.grammar, r.output_token_ids) for i, r in enumerate(reqs)
-                                              if r.grammar is not None], len(reqs))
+        return self._pool.submit(fn, *args)
 
-    def _fill(self, rows: list[tuple[int, GrammarState, list[int]]], n: int) -> tuple[torch.Tensor, list[int]]:
+    def start(self, reqs: Sequence[Any]) -> Future:
+        """The step's masks: a future of (mask [k, words] int32, rows), mask row j for batch row
+        rows[j], one per constrained request (a matcher in error allows everything: the request
+        fails when its token is checked)."""
+        rows = [(i, r.grammar, r.output_token_ids) for i, r in enumerate(reqs) if r.grammar is not None]
+        return self._submit(self._fill, rows, self._ahead)
+
+    def _fill(self, rows: list[tuple[int, GrammarState, list[int]]], ahead: Future | None
+              ) -> tuple[torch.Tensor, list[int]]:
         import llguidance.torch
 
-        mask = torch.full((n, self.words), -1, dtype=torch.int32)
-        for _, state, output in rows:
+        done: _Ahead | None = None
+        if ahead is not None:
+            try:
+                done = ahead.result()  # already complete: jobs run in order
+            except Exception:  # noqa: BLE001 - a failed fill ahead only means filling here
+                done = None
+        mask = torch.empty((len(rows), self.words), dtype=torch.int32)
+        todo = []
+        for j, (_, state, output) in enumerate(rows):
             state.catch_up(output)
-        live = [(state.matcher, i) for i, state, _ in rows if state.error is None]
-        if live:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, live, mask)
+            hit = done.row(state) if done is not None and state.error is None else None
+            if hit is not None:
+                mask[j] = hit
+            elif state.error is not None:
+                mask[j] = -1
+            else:
+                todo.append((state.matcher, j))
+        if todo:
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, todo, mask)
         return mask, [i for i, _, _ in rows]
 
-    def apply(self, logits: torch.Tensor, pending: Future, raw: torch.Tensor, others: bool) -> None:
-        """Mask ``logits`` (fp32, in place). With ``others`` (logit controls ran first), a row they
-        left with no token the grammar allows (min_tokens holding back the EOS a finished grammar
-        needs, say) takes the grammar alone over the raw logits: the grammar's validity wins."""
+    def _fill_ahead(self, states: list[GrammarState]) -> _Ahead:
+        import llguidance.torch
+
+        ahead = _Ahead(states, self.words)
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(s.matcher, j) for j, s in enumerate(states)],
+                                                     ahead.mask)
+        return ahead
+
+    def apply(self, logits: torch.Tensor, pending: Future, raw: torch.Tensor | None, others: bool) -> None:
+        """Mask ``logits`` in place (any float dtype: -inf where the grammar refuses, the rest
+        untouched). With ``others`` (logit controls ran first, on fp32 ``logits``), a row they left
+        with no token the grammar allows (min_tokens holding back the EOS a finished grammar needs,
+        say) takes the grammar alone over the ``raw`` logits: the grammar's validity wins."""
         mask, rows = pending.result()
+        self._mask_rows(logits, mask, rows)
+        if others:
+            dead = torch.isinf(logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]).all(dim=-1)
+            if bool(dead.any()):
+                js = dead.nonzero().flatten().tolist()
+                at = torch.tensor([rows[j] for j in js], dtype=torch.int64, device=logits.device)
+                fresh = raw[at].float()
+                self._mask_rows(fresh, mask[js], list(range(len(js))))
+                logits[at] = fresh
+
+    def _mask_rows(self, logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
+        """``logits[rows[j]]`` masked by ``mask[j]``: natively on CPU, else by a byte lookup."""
+        from kvmesh.engine.kernels.cpu_native import apply_bitmask_cpu
+
+        if apply_bitmask_cpu(logits, mask, rows):
+            return
         if self._bits is None or self._bits.device != logits.device:
             self._bits = _byte_bits().to(logits.device)
-        words = mask[rows] if len(rows) < mask.shape[0] else mask
-        packed = words.to(logits.device).contiguous().view(torch.uint8)
-        allowed = self._bits[packed.long()].view(len(rows), -1)[:, : logits.shape[1]]
-        if len(rows) == logits.shape[0]:  # every row constrained: in place, no gather
-            sub = logits.masked_fill_(~allowed, float("-inf"))
+        packed = mask.to(logits.device).contiguous().view(torch.uint8)
+        refused = ~self._bits[packed.long()].view(len(rows), -1)[:, : logits.shape[1]]
+        if rows == list(range(logits.shape[0])):  # every row constrained: in place, no gather
+            logits.masked_fill_(refused, float("-inf"))
         else:
             idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-            sub = logits[idx].masked_fill_(~allowed, float("-inf"))
-        if others:
-            dead = torch.isinf(sub).all(dim=-1)
-            if bool(dead.any()):
-                at = torch.tensor(rows, dtype=torch.int64, device=logits.device)[dead]
-                sub[dead] = raw[at].float().masked_fill(~allowed[dead], float("-inf"))
-        if len(rows) < logits.shape[0]:
-            logits[idx] = sub
+            logits[idx] = logits[idx].masked_fill_(refused, float("-inf"))
 
-    @staticmethod
-    def advance(reqs: Sequence[Any], tokens: Sequence[int]) -> None:
+    def advance(self, reqs: Sequence[Any], tokens: Sequence[int]) -> None:
+        """Each constrained request's matcher takes its sampled token; then the next step's masks
+        are filled ahead for the requests that will need one (not stopped, not in error, below
+        max_tokens, not handed to a decode engine)."""
+        going: list[GrammarState] = []
         for r, t in zip(reqs, tokens):
-            if r.grammar is not None:
-                r.grammar.advance(t)
+            state = r.grammar
+            if state is None:
+                continue
+            state.advance(t)
+            if (state.error is None and not state.stopped and r.handoff is None
+                    and len(r.output_token_ids) + 1 < r.params.max_tokens):
+                going.append(state)
+        self._ahead = self._submit(self._fill_ahead, going) if going else None
 
     def close(self) -> None:
         if self._pool is not None:

@@ -156,3 +156,69 @@ def test_any_schema_regex_or_grammar_compiles_or_is_an_invalid_grammar_error():
             assert e.param == spec.param and str(e)
 
     check()
+
+
+def test_masks_filled_ahead_are_the_masks_of_the_state_they_are_used_in(model_dir, loaded):
+    """advance() fills the next step's masks ahead; start() takes a row from there only for the
+    same state after the same number of tokens, and fills the rest (a new request, a state
+    that moved on since): every mask equals one computed fresh from the matcher."""
+    from types import SimpleNamespace
+
+    import llguidance.torch
+    import torch
+
+    from kvmesh.engine.structured.masking import GrammarMasks, GrammarState
+
+    llm = _engine(model_dir, loaded)
+    spec = StructuredOutput.json_schema(SCHEMA, "response_format")
+    vocab = llm.engine.model_config.vocab_size
+    masks = GrammarMasks(vocab)
+
+    def req(out=None):
+        return SimpleNamespace(grammar=GrammarState(llm.engine.grammars.matcher(spec)), output_token_ids=out or [],
+                               params=SamplingParams(max_tokens=50), handoff=None)
+
+    def fresh(state):
+        m = torch.full((1, masks.words), -1, dtype=torch.int32)
+        llguidance.torch.fill_next_token_bitmask(state.matcher, m, 0)
+        return m[0]
+
+    def first_allowed(words):
+        bits = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab]
+        return int(bits.nonzero()[0])
+
+    reqs = [req(), req()]
+    for step in range(6):
+        if step == 3:
+            reqs.append(req())                   # joins: nothing was filled ahead for it
+        if step == 4:                            # moves on outside the step: the row ahead is stale
+            masks._ahead.result()                # (the matcher is the worker's until its fill ends)
+            t = first_allowed(fresh(reqs[0].grammar))
+            reqs[0].output_token_ids.append(t)
+        mask, rows = masks.start(reqs).result()
+        assert rows == list(range(len(reqs)))
+        for j, r in enumerate(reqs):
+            r.grammar.catch_up(r.output_token_ids)
+            assert torch.equal(mask[j], fresh(r.grammar)), (step, j)
+        tokens = [first_allowed(mask[j]) for j in range(len(reqs))]
+        masks.advance(reqs, tokens)
+        for r, t in zip(reqs, tokens):
+            r.output_token_ids.append(t)
+    masks.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_grammar_alone_masks_the_model_dtype_with_the_same_tokens(model_dir, loaded, monkeypatch, native):
+    """Without logit controls the mask is applied to the model's logits (in place, or to a copy
+    when logprobs need the raw ones): greedy tokens are those of the fp32 path that logit
+    controls take (a zero logit bias on a token forces it), natively or by the torch unpack."""
+    import kvmesh.engine.kernels.cpu_native as nat
+
+    if not native:
+        monkeypatch.setattr(nat, "apply_bitmask_cpu", lambda *a: False)
+    llm = _engine(model_dir, loaded)
+    plain = [r.token_ids for r in llm.generate(PROMPTS, _params(temperature=0.0))]
+    with_lp = llm.generate(PROMPTS, _params(temperature=0.0, logprobs=1))
+    fp32 = [r.token_ids for r in llm.generate(PROMPTS, _params(temperature=0.0, logit_bias={3: 0.0}))]
+    assert plain == [r.token_ids for r in with_lp] == fp32
+    assert all(lp.logprob > float("-inf") for r in with_lp for lp in r.logprobs)

@@ -220,3 +220,36 @@ def test_argmax_rows_never_builds_the_library_for_a_non_cpu_tensor(monkeypatch):
     x = torch.empty(3, 50, device="meta")
     assert nat.argmax_rows(x).shape == (3,)
     assert torch.equal(nat.argmax_rows(torch.tensor([[1, 5, 2]])), torch.tensor([1]))  # int rows: torch path
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cols", [5, 64, 49152 + 7])
+def test_apply_bitmask_matches_masked_fill(dtype, cols):
+    """Packed int32 words (bit b of word w: token 32w + b allowed), on a subset of rows in any
+    order: the same -inf as masked_fill with the unpacked mask, allowed logits untouched."""
+    g = torch.Generator().manual_seed(cols)
+    words = (cols + 31) // 32
+    x = torch.randn(7, cols, generator=g).to(dtype)
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (4, words), dtype=torch.int32, generator=g)
+    mask[1] = -1                               # everything allowed
+    mask[2] = 0                                # nothing allowed
+    mask[3, ::2] = 0
+    mask[3, 1::2] = -1                         # whole words of each kind, alternating
+    rows = [5, 0, 6, 2]
+    bits = (mask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    refused = (bits == 0).view(4, -1)[:, :cols]
+    want = x.clone()
+    want[rows] = want[rows].masked_fill(refused, float("-inf"))
+    got = x.clone()
+    assert nat.apply_bitmask_cpu(got, mask, rows)
+    assert torch.equal(got, want)
+
+
+def test_apply_bitmask_refuses_what_it_cannot_take():
+    x = torch.zeros(2, 64)
+    mask = torch.zeros(1, 2, dtype=torch.int32)
+    assert not nat.apply_bitmask_cpu(x, mask, [2])                          # row out of range
+    assert not nat.apply_bitmask_cpu(x, mask[:, :1], [0])                   # mask shorter than the vocabulary
+    assert not nat.apply_bitmask_cpu(x.half(), mask, [0])                   # dtype without a kernel
+    assert not nat.apply_bitmask_cpu(torch.zeros(2, 64, device="meta"), mask, [0])
+    assert torch.equal(x, torch.zeros(2, 64))
