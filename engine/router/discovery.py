@@ -35,7 +35,7 @@ from kvmesh.engine.kv.events import KVEventRecord, KVSnapshot
 from kvmesh.engine.router.index import PrefixIndex, PrefixMatch
 from kvmesh.engine.router.policies import Endpoint
 from kvmesh.engine.router.prompt import PromptInfo, common_hash_spec
-from kvmesh.engine.router.rates import PrefillClock, decode_seconds_per_seq
+from kvmesh.engine.router.rates import PrefillClock, decode_seconds_per_seq, interval_median
 
 log = logging.getLogger("kvmesh.router.discovery")
 
@@ -85,21 +85,19 @@ def membership_change(current: Iterable[str], wanted: Iterable[str]) -> tuple[li
 @dataclass(frozen=True)
 class EngineReport:
     """What one ``/metrics`` scrape tells the router: running + waiting sequences, free KV
-    blocks of the primary pool, the running batch, and the inter-token latency histogram's sum
-    and count (each None when the engine does not report it)."""
+    blocks of the primary pool, the running batch, and the inter-token latency histogram's
+    cumulative buckets as (le, count), ascending (each None when the engine does not report it)."""
 
     load: int | None = None
     free_blocks: int | None = None
     running: int | None = None
-    itl_sum: float | None = None
-    itl_count: float | None = None
+    itl_buckets: tuple[tuple[float, float], ...] | None = None
 
 
 _RUNNING_GAUGE = "kvmesh_num_requests_running"
 _LOAD_GAUGES = (_RUNNING_GAUGE, "kvmesh_num_requests_waiting")
 _FREE_BLOCKS_GAUGE = "kvmesh_kv_cache_free_blocks"
-_ITL_SUM = "kvmesh_inter_token_latency_seconds_sum"
-_ITL_COUNT = "kvmesh_inter_token_latency_seconds_count"
+_ITL_BUCKET = "kvmesh_inter_token_latency_seconds_bucket"
 
 
 def engine_report_from_metrics(text: str) -> EngineReport:
@@ -110,7 +108,7 @@ def engine_report_from_metrics(text: str) -> EngineReport:
     """
     load, free, seen_load = 0.0, None, False
     running: int | None = None
-    itl: dict[str, float] = {}
+    itl: dict[float, float] = {}
     for line in text.splitlines():
         if not line.startswith("kvmesh_"):
             continue
@@ -126,10 +124,12 @@ def engine_report_from_metrics(text: str) -> EngineReport:
             # Only the primary pool's row: blocks a decode engine can reserve for a transfer.
             with contextlib.suppress(ValueError, IndexError):
                 free = int(float(line.rsplit(" ", 1)[1]))
-        elif name in (_ITL_SUM, _ITL_COUNT):
+        elif name == _ITL_BUCKET:
             with contextlib.suppress(ValueError, IndexError):
-                itl[name] = itl.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return EngineReport(int(load) if seen_load else None, free, running, itl.get(_ITL_SUM), itl.get(_ITL_COUNT))
+                le = float(line.split('le="', 1)[1].split('"', 1)[0])
+                itl[le] = itl.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+    return EngineReport(int(load) if seen_load else None, free, running,
+                        tuple(sorted(itl.items())) if itl else None)
 
 
 _ROOT_HEX = ROOT_HASH.hex()
@@ -182,7 +182,7 @@ class EngineState:
     warned_mismatch: str | None = None
     prefill: PrefillClock = field(default_factory=PrefillClock)
     decode_s_per_seq: float | None = None
-    itl_seen: tuple[float, float] | None = None  # (sum, count) of the last scrape
+    itl_seen: tuple[tuple[float, float], ...] | None = None  # the last scrape's ITL buckets
 
     def observe_report(self, report: EngineReport) -> None:
         """Fold one ``/metrics`` scrape into the load view (a missing value keeps the last one)."""
@@ -190,14 +190,11 @@ class EngineState:
             self.reported_load = report.load
         if report.free_blocks is not None:
             self.free_blocks = report.free_blocks
-        if report.itl_sum is not None and report.itl_count is not None:
-            now = (report.itl_sum, report.itl_count)
-            if self.itl_seen is not None:
-                per_seq = decode_seconds_per_seq(now[0] - self.itl_seen[0], now[1] - self.itl_seen[1],
-                                                 report.running)
-                if per_seq is not None:
-                    self.decode_s_per_seq = per_seq
-            self.itl_seen = now
+        if report.itl_buckets is not None:
+            per_seq = decode_seconds_per_seq(interval_median(self.itl_seen, report.itl_buckets), report.running)
+            if per_seq is not None:
+                self.decode_s_per_seq = per_seq
+            self.itl_seen = report.itl_buckets
 
     @property
     def block_size(self) -> int | None:

@@ -13,8 +13,10 @@ request (never per token):
   requests need no special case: the busy time between two first bytes is charged to the
   tokens of the second, so over a busy period the ratio is total tokens / total busy time.
 - **Decode** (``decode_seconds_per_seq``): the engine's ``kvmesh_inter_token_latency_seconds``
-  histogram, read by the probe that already scrapes ``/metrics``: the mean step time over the
-  last probe interval divided by the running batch it served.
+  histogram, read by the probe that already scrapes ``/metrics``: the median step time over the
+  last probe interval (``interval_median`` of the bucket counts' increase) divided by the running
+  batch it served. The median, not the mean: a step that carried a long prefill stalls every
+  running sequence's next token, and that prefill is already counted as queued prefill.
 
 Estimates decay (``RateEstimate.observe``), so they follow an engine whose load changes, and
 stay ``None`` until enough has been seen (then the scorer uses its prior).
@@ -22,6 +24,7 @@ stay ``None`` until enough has been seen (then the scorer uses its prior).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 PREFILL_DECAY = 0.9
@@ -82,9 +85,37 @@ class PrefillClock:
         return self.estimate.seconds_per_unit()
 
 
-def decode_seconds_per_seq(itl_sum_delta: float, itl_count_delta: float, running: int | None) -> float | None:
-    """Mean decode step time over a scrape interval per running sequence, or None when the
-    interval saw no token (or the counters went back: a restarted engine)."""
-    if itl_count_delta <= 0 or itl_sum_delta < 0:
+def interval_median(before: Sequence[tuple[float, float]] | None,
+                    after: Sequence[tuple[float, float]]) -> float | None:
+    """The median of what a cumulative histogram observed between two scrapes.
+
+    ``before``/``after``: (upper bound ``le``, cumulative count) per bucket, ascending, ``+Inf``
+    last, as exposed. Linear inside the bucket that holds the median (from 0 for the first);
+    None when nothing was observed, the buckets differ, or a count went back (a restart).
+    """
+    if before is None or len(before) != len(after) or not after:
         return None
-    return (itl_sum_delta / itl_count_delta) / max(1, running or 0)
+    deltas = []
+    for (le0, c0), (le1, c1) in zip(before, after):
+        if le0 != le1 or c1 < c0:
+            return None
+        deltas.append((le1, c1 - c0))
+    total = deltas[-1][1]
+    if total <= 0:
+        return None
+    half, lower, below = total / 2.0, 0.0, 0.0
+    for le, cum in deltas:
+        if cum >= half:
+            if le == float("inf"):
+                return lower  # past the last finite bound: that bound is all we know
+            inside = cum - below
+            return lower + (le - lower) * ((half - below) / inside if inside > 0 else 1.0)
+        lower, below = le, cum
+    return None
+
+
+def decode_seconds_per_seq(step_s: float | None, running: int | None) -> float | None:
+    """A decode step time shared by the running batch that took it (a batch of at least one)."""
+    if step_s is None or step_s < 0:
+        return None
+    return step_s / max(1, running or 0)

@@ -10,7 +10,13 @@ import pytest
 
 from kvmesh.engine.router import proxy
 from kvmesh.engine.router.discovery import EngineReport, EngineState, engine_report_from_metrics
-from kvmesh.engine.router.rates import MIN_PREFILL_TOKENS, PrefillClock, RateEstimate, decode_seconds_per_seq
+from kvmesh.engine.router.rates import (
+    MIN_PREFILL_TOKENS,
+    PrefillClock,
+    RateEstimate,
+    decode_seconds_per_seq,
+    interval_median,
+)
 
 
 def test_rate_estimate_needs_enough_units_then_is_the_decayed_ratio():
@@ -53,32 +59,52 @@ def test_prefill_clock_does_not_time_failures_and_stops_when_the_queue_empties()
     assert c.seconds_per_token() is None and MIN_PREFILL_TOKENS > 0
 
 
+INF = float("inf")
+
+
+def test_interval_median_reads_what_happened_between_two_scrapes():
+    before = ((0.01, 10.0), (0.02, 10.0), (0.05, 10.0), (INF, 10.0))
+    # 8 steps of 10-20 ms and 2 stalls of a long prefill (> 50 ms): the median ignores the stalls.
+    after = ((0.01, 10.0), (0.02, 18.0), (0.05, 18.0), (INF, 20.0))
+    assert interval_median(before, after) == pytest.approx(0.01 + 0.01 * (5 / 8))
+    assert interval_median(before, before) is None  # nothing observed
+    assert interval_median(None, after) is None  # the first scrape
+    assert interval_median(after, before) is None  # counts went back: a restarted engine
+    assert interval_median(before[:3], after) is None  # other buckets
+    assert interval_median(((0.01, 0.0), (INF, 0.0)), ((0.01, 0.0), (INF, 4.0))) == 0.01  # past the last bound
+    assert interval_median(((0.01, 0.0), (INF, 0.0)), ((0.01, 4.0), (INF, 4.0))) == pytest.approx(0.005)
+
+
 def test_decode_seconds_per_seq_is_the_step_time_shared_by_the_batch():
-    assert decode_seconds_per_seq(0.8, 20, running=4) == pytest.approx(0.01)
-    assert decode_seconds_per_seq(0.8, 20, running=0) == pytest.approx(0.04)  # a batch of one
-    assert decode_seconds_per_seq(0.0, 0, running=3) is None  # no token in the interval
-    assert decode_seconds_per_seq(-1.0, -10, running=3) is None  # counters reset: restarted engine
+    assert decode_seconds_per_seq(0.04, running=4) == pytest.approx(0.01)
+    assert decode_seconds_per_seq(0.04, running=0) == pytest.approx(0.04)  # a batch of one
+    assert decode_seconds_per_seq(None, running=3) is None
 
 
 def test_scrape_reads_the_inter_token_histogram_and_the_running_batch():
     text = ('kvmesh_num_requests_running{model_name="m"} 4.0\n'
             'kvmesh_num_requests_waiting{model_name="m"} 1.0\n'
-            'kvmesh_inter_token_latency_seconds_bucket{le="0.1",model_name="m"} 9.0\n'
+            'kvmesh_inter_token_latency_seconds_bucket{le="0.02",model_name="m"} 10.0\n'
+            'kvmesh_inter_token_latency_seconds_bucket{le="+Inf",model_name="m"} 10.0\n'
+            'kvmesh_inter_token_latency_seconds_bucket{le="0.01",model_name="m"} 10.0\n'
             'kvmesh_inter_token_latency_seconds_sum{model_name="m"} 2.5\n'
-            'kvmesh_inter_token_latency_seconds_count{model_name="m"} 50.0\n')
+            'kvmesh_inter_token_latency_seconds_count{model_name="m"} 10.0\n')
     r = engine_report_from_metrics(text)
-    assert (r.load, r.running, r.itl_sum, r.itl_count) == (5, 4, 2.5, 50.0)
-    assert engine_report_from_metrics("").itl_sum is None
+    assert (r.load, r.running) == (5, 4)
+    assert r.itl_buckets == ((0.01, 10.0), (0.02, 10.0), (INF, 10.0))
+    assert engine_report_from_metrics("").itl_buckets is None
 
     st = EngineState("u")
     st.observe_report(r)  # the first scrape only sets the baseline
     assert st.decode_s_per_seq is None and st.reported_load == 5
-    st.observe_report(EngineReport(load=5, running=4, itl_sum=3.3, itl_count=60.0))  # 0.8 s / 10 tokens
-    assert st.decode_s_per_seq == pytest.approx(0.02)
-    st.observe_report(EngineReport(load=0, running=0, itl_sum=0.1, itl_count=2.0))  # restarted
-    assert st.decode_s_per_seq == pytest.approx(0.02) and st.itl_seen == (0.1, 2.0)
+    # 10 more tokens, all 10-20 ms apart: median 15 ms, shared by 4 running sequences.
+    st.observe_report(EngineReport(load=5, running=4, itl_buckets=((0.01, 10.0), (0.02, 20.0), (INF, 20.0))))
+    assert st.decode_s_per_seq == pytest.approx(0.015 / 4)
+    restarted = ((0.01, 1.0), (0.02, 1.0), (INF, 1.0))
+    st.observe_report(EngineReport(load=0, running=0, itl_buckets=restarted))
+    assert st.decode_s_per_seq == pytest.approx(0.015 / 4) and st.itl_seen == restarted
     ep = st.endpoint()
-    assert ep.decode_s_per_seq == pytest.approx(0.02) and ep.prefill_s_per_token is None
+    assert ep.decode_s_per_seq == pytest.approx(0.015 / 4) and ep.prefill_s_per_token is None
 
 
 class _Content:
@@ -130,3 +156,15 @@ def test_the_prefill_ends_at_the_first_token_event_not_the_role_only_first_byte(
     assert events[:3] == ["byte", "token", "sent"]
     _, events = _relay([ROLE, DONE])  # no token at all: never
     assert "token" not in events
+
+
+def test_the_router_exposes_the_rates_it_scores_with():
+    from kvmesh.engine.router.metrics import RouterMetrics
+    from kvmesh.engine.util.metrics import parse_samples, render, sample_value
+
+    m = RouterMetrics("cache-aware", lambda: 2, dict, dict,
+                      rates=lambda: {"http://a": (0.003, 0.012), "http://b": (None, None)})
+    s = parse_samples(render(m.registry)[0].decode())
+    assert sample_value(s, "kvmesh_router_engine_prefill_seconds_per_token", engine="http://a") == 0.003
+    assert sample_value(s, "kvmesh_router_engine_decode_seconds_per_sequence", engine="http://a") == 0.012
+    assert sample_value(s, "kvmesh_router_engine_prefill_seconds_per_token", engine="http://b") is None
