@@ -8,6 +8,7 @@ a test.
 Score (docs/router.md explains it), in seconds of the endpoint's own measured work:
 
     score(e) = W_prefix * saved_s(e) - W_load * load_s(e) + W_affinity * [e is the session's]
+               (W_prefix = PREFIX_WEIGHT = 2, W_load = 1)
 
     saved_s(e) = saved_tokens(e) * spt(e)
     load_s(e)  = (queued_prefill_tokens(e) + prompt_tokens) * spt(e) + running(e) * decode_s(e)
@@ -18,14 +19,15 @@ Score (docs/router.md explains it), in seconds of the endpoint's own measured wo
 router measured on that engine (engine/router/rates.py); until it has, the ``LoadModel`` priors
 stand in, and a running request costs ``running_cost_tokens`` prefill tokens.
 
-With the unit weights, ``-score(e)`` is the predicted time to this request's first token on
-``e``: the prefill queued ahead of it and its own uncached prefill (prompt - saved) at that
-engine's rate, plus the decode batch its prefill step shares. A prefix cached on a busy engine
-is therefore replicated to another one as soon as the owner's queue costs more than
-recomputing the prefix elsewhere would. Invariant: when every endpoint has the same rates (in
-particular when none is measured) the score is the token score of earlier releases
-(saved - queued - running_cost_tokens * running) times ``spt``, less one constant, so it picks
-the same endpoints. ``prefix_scorer``/``load_scorer`` (tokens) remain for the decode-pool pick
+With unit weights, ``-score(e)`` is the predicted time to this request's first token on ``e``:
+the prefill queued ahead of it and its own uncached prefill (prompt - saved) at that engine's
+rate, plus the decode batch its prefill step shares. The prefix weight of 2 also charges a
+replica for the work it adds ahead of later requests: a prefix cached on a busy engine is
+replicated to another one once the owner's predicted wait exceeds the other's by more than
+twice the prefix's recompute there. Invariant: when every endpoint has the same rates (in
+particular when none is measured) the score is the token score
+(W_prefix * saved - queued - running_cost_tokens * running) times ``spt``, less one constant,
+so it picks the same endpoints. ``prefix_scorer``/``load_scorer`` (tokens) remain for the decode-pool pick
 of two-stage serving.
 """
 
@@ -40,6 +42,12 @@ POLICIES = ("cache-aware", "session", "least-load", "round-robin")
 AFFINITY_WEIGHT = 1e12
 """Large enough that no prefix or load difference can outweigh a live session binding."""
 _TIE_EPSILON = 1e-9
+PREFIX_WEIGHT = 2.0
+"""Weight of the prefix saving against the load. A replica's recompute is paid twice: by this
+request's first token, and as prefill work queued ahead of the requests that reach the other
+engine after it (its whole cost to the fleet when the fleet is busy); 1 counts the first only,
+and with the queue counted in full, lets rate noise between engines move conversations back and
+forth, each move evicting and recomputing a prefix."""
 
 
 @dataclass(frozen=True)
@@ -241,7 +249,7 @@ class Policy:
         return pick(combine(req, candidates, self.scorers), turn)
 
 
-def build_policy(name: str, load: LoadModel = LoadModel(), prefix_weight: float = 1.0,
+def build_policy(name: str, load: LoadModel = LoadModel(), prefix_weight: float = PREFIX_WEIGHT,
                  load_weight: float = 1.0) -> Policy:
     """One of ``POLICIES``; raises ValueError naming the valid ones otherwise."""
     base = (healthy_filter, not_draining_filter)

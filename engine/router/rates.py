@@ -27,8 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-PREFILL_DECAY = 0.9
-"""Weight kept by past prefill observations per new one (about the last 10 requests count)."""
+PREFILL_DECAY = 0.95
+"""Weight kept by past prefill observations per new one (about the last 20 requests count: one
+request's drain time is noisy, since it shares steps with whatever else the engine runs)."""
 MIN_PREFILL_TOKENS = 256.0
 """Decayed tokens an estimate needs before it replaces the prior."""
 

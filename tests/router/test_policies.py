@@ -6,6 +6,7 @@ from kvmesh.engine.router.index import PrefixMatch
 from kvmesh.engine.router.policies import (
     AFFINITY_WEIGHT,
     Endpoint,
+    PREFIX_WEIGHT,
     LoadModel,
     Policy,
     RouteRequest,
@@ -81,7 +82,7 @@ def test_seconds_scorers_use_each_endpoints_measured_rates_else_the_priors():
 def test_without_measurements_the_seconds_policy_picks_what_the_token_policy_did():
     """Invariant: unmeasured, every seconds score is the token score times the prior, so each pick
     (the tie rotation included) is the token policy's."""
-    token_policy = Policy("tokens", (), ((prefix_scorer, 1.0), (load_scorer(LoadModel()), 1.0)))
+    token_policy = Policy("tokens", (), ((prefix_scorer, PREFIX_WEIGHT), (load_scorer(LoadModel()), 1.0)))
     seconds_policy = build_policy("cache-aware")
     cases = 0
     for cached_a in (0, 4, 10, 40):
@@ -100,9 +101,11 @@ def test_without_measurements_the_seconds_policy_picks_what_the_token_policy_did
 
 
 def test_a_hot_prefix_is_replicated_once_its_owners_queue_costs_more_than_it_saves():
-    """1,504 cached tokens on ``a`` cost 3 s to recompute at ``b``'s 2 ms/token: ``a`` keeps the
-    request while its queued work predicts less than that, and ``b`` takes it (a replica of the
-    prefix) after. Predicted first token: a = (queued + 96) * spt_a + running * 10 ms, b = 3.2 s."""
+    """1,504 tokens cached on ``a``; the request's 1,600 cost ``b`` 3.2 s at 2 ms/token. With the
+    prefix weighed twice (this request, and the work a replica queues ahead of later ones),
+    ``a``'s score is -(queued + 1600 - 2 * 1504) * spt_a - running * 10 ms: ``a`` keeps the request
+    until its queue predicts 3.2 s more than that, ``b`` takes it (a replica) after."""
+    assert PREFIX_WEIGHT == 2.0
     pol = build_policy("cache-aware")
     req = RouteRequest(prompt_tokens=1600, block_size=16, matches={"a": PrefixMatch(94, {"gpu": 94}, 94.0)})
     idle_b = Endpoint("b", prefill_s_per_token=0.002, decode_s_per_seq=0.01)
@@ -111,13 +114,17 @@ def test_a_hot_prefix_is_replicated_once_its_owners_queue_costs_more_than_it_sav
         return Endpoint("a", running=running, queued_prefill_tokens=queued, prefill_s_per_token=spt,
                         decode_s_per_seq=0.01)
 
-    assert pol.choose(req, [owner(1000, 4), idle_b], 0) == "a"  # 2.23 s < 3.2 s
-    assert pol.choose(req, [owner(1600, 4), idle_b], 0) == "b"  # 3.43 s > 3.2 s
+    assert pol.choose(req, [owner(2000, 4), idle_b], 0) == "a"  # 1.22 s < 3.2 s
+    assert pol.choose(req, [owner(3100, 4), idle_b], 0) == "b"  # 3.42 s > 3.2 s
     # The same queue on an owner slowed to 4 ms/token (a big decode batch) costs twice the seconds.
-    assert pol.choose(req, [owner(1000, 4, spt=0.004), idle_b], 0) == "b"  # 4.42 s
+    assert pol.choose(req, [owner(2400, 4), idle_b], 0) == "a"  # 2.02 s
+    assert pol.choose(req, [owner(2400, 4, spt=0.004), idle_b], 0) == "b"  # 4.01 s
     # A running batch counts at its measured step share.
-    assert pol.choose(req, [owner(1000, 40), idle_b], 0) == "a"  # 2.19 + 0.4 < 3.2
-    assert pol.choose(req, [owner(1000, 120), idle_b], 0) == "b"  # 2.19 + 1.2 > 3.2
+    assert pol.choose(req, [owner(2000, 150), idle_b], 0) == "a"  # 1.18 + 1.5 < 3.2
+    assert pol.choose(req, [owner(2000, 250), idle_b], 0) == "b"  # 1.18 + 2.5 > 3.2
+    # A busy other engine keeps the request on the owner longer.
+    busy_b = Endpoint("b", queued_prefill_tokens=500, prefill_s_per_token=0.002, decode_s_per_seq=0.01)
+    assert pol.choose(req, [owner(3100, 4), busy_b], 0) == "a"
 
 
 def test_affinity_scorer():
@@ -135,7 +142,7 @@ def test_combine_weights_and_pick_rotates_ties():
 
 
 def test_cache_aware_trades_saved_prefill_against_load():
-    pol = build_policy("cache-aware", LoadModel(running_cost_tokens=64))
+    pol = build_policy("cache-aware", LoadModel(running_cost_tokens=64), prefix_weight=1.0)
     matches = {"a": PrefixMatch(10, {"gpu": 10}, 10.0)}  # 160 tokens cached on a
     req = RouteRequest(prompt_tokens=200, block_size=16, matches=matches)
     assert pol.choose(req, [Endpoint("a", running=1), Endpoint("b")], 0) == "a"  # 160 - 64 > 0

@@ -12,6 +12,7 @@ from kvmesh.engine.router import proxy
 from kvmesh.engine.router.discovery import EngineReport, EngineState, engine_report_from_metrics
 from kvmesh.engine.router.rates import (
     MIN_PREFILL_TOKENS,
+    PREFILL_DECAY,
     PrefillClock,
     RateEstimate,
     decode_seconds_per_seq,
@@ -40,13 +41,15 @@ def test_prefill_clock_charges_busy_time_to_the_tokens_drained():
     assert c.busy_since == 11.2
     c.drained(400, tokens_left=0, now=12.0)  # 0.8 s more for the second
     assert c.busy_since is None
-    # Decayed sums: 0.9 * 600 + 400 tokens over 0.9 * 1.2 + 0.8 s.
-    assert c.estimate.units == pytest.approx(940) and c.estimate.seconds == pytest.approx(1.88)
-    assert c.seconds_per_token() == pytest.approx(1.88 / 940)
+    # Decayed sums: d * 600 + 400 tokens over d * 1.2 + 0.8 s.
+    d = PREFILL_DECAY
+    units, seconds = d * 600 + 400, d * 1.2 + 0.8
+    assert c.estimate.units == pytest.approx(units) and c.estimate.seconds == pytest.approx(seconds)
+    assert c.seconds_per_token() == pytest.approx(seconds / units)
     # Idle time between busy periods is never charged.
     c.queued(0, now=100.0)
     c.drained(100, tokens_left=0, now=100.2)
-    assert c.estimate.seconds == pytest.approx(0.9 * 1.88 + 0.2)
+    assert c.estimate.seconds == pytest.approx(d * seconds + 0.2)
 
 
 def test_prefill_clock_does_not_time_failures_and_stops_when_the_queue_empties():
