@@ -18,6 +18,10 @@ engine and through the router).
 
   .venv/bin/python bench/router.py --json bench/results/router.json
 
+`--baseline-tree PATH` also runs the cache-aware router from another checkout of kvmesh (its
+engines and router import PATH first), right after this tree's: a before/after of a routing
+change in one invocation, on the same trace and the same machine state.
+
 `--guidellm PATH` also cross-checks one rate through the cache-aware router with GuideLLM (a
 load generator we did not write, in its own virtual environment): the same single-turn
 synthetic workload sent by bench/serving.py's client and by GuideLLM, one after the other.
@@ -115,6 +119,7 @@ class SystemResult:
     prompt_tokens: int
     cached_tokens_reported: int
     errors: list[str] = field(default_factory=list)
+    router_rates: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 async def replay(url: str, engine_urls: list[str], model: str, trace: list[Conversation], max_tokens: int,
@@ -152,6 +157,18 @@ async def added_latency(router_url: str, engine_url: str, model: str, n: int) ->
                 r.raise_for_status()
     out = {k: _pcts(v) for k, v in lat.items()}
     out["added"] = {q: out["router"][q] - out["direct"][q] for q in ("p50", "p90", "p99")}
+    return out
+
+
+def router_rates(router_url: str) -> dict[str, dict[str, float]]:
+    """The engine rates the router measured and scored with, at the end of a run (if exposed)."""
+    s = parse_samples(httpx.get(router_url + "/metrics", timeout=30).text)
+    out: dict[str, dict[str, float]] = {}
+    for (name, labels), v in s.items():
+        for metric, key in (("kvmesh_router_engine_prefill_seconds_per_token", "prefill_s_per_token"),
+                            ("kvmesh_router_engine_decode_seconds_per_sequence", "decode_s_per_seq")):
+            if name == metric:
+                out.setdefault(dict(labels).get("engine", "?"), {})[key] = v
     return out
 
 
@@ -207,6 +224,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--guidellm", default=None, metavar="PATH", help="GuideLLM executable for the cross-check")
+    ap.add_argument("--baseline-tree", default=None, metavar="PATH",
+                    help="also run cache-aware with the kvmesh checkout at PATH (before/after in one invocation)")
     ap.add_argument("--crosscheck-rate", type=float, default=0.5)
     ap.add_argument("--crosscheck-requests", type=int, default=40)
     ap.add_argument("--crosscheck-prompt-tokens", type=int, default=128)
@@ -235,25 +254,45 @@ def main() -> int:
             results.append(single)
             latency = asyncio.run(added_latency(specs[-1].url, specs[0].url, served, args.latency_requests))
             decision = router_decision_latency(specs[-1].url)
-    for policy in args.policies.split(","):
+    runs = [(p, f"router {p}", None) for p in args.policies.split(",")]
+    if args.baseline_tree:
+        at = next((i + 1 for i, r in enumerate(runs) if r[0] == "cache-aware"), len(runs))
+        runs.insert(at, ("cache-aware", "router cache-aware (baseline tree)", args.baseline_tree))
+    for policy, name, tree in runs:
         specs = plan(UpOptions(engines=args.engines, port=args.base_port, engine_base_port=args.base_port + 100,
                                kv_events_base_port=args.base_port + 200, model=args.model, policy=policy,
                                kv_cache_bytes=args.kv_cache_bytes), cores)
-        with Supervisor(specs, log_root / policy, ready_timeout_s=900, out=sys.stderr):
-            engine_urls = [s.url for s in specs[:-1]]
-            results.append(asyncio.run(replay(specs[-1].url, engine_urls, served, trace, args.max_tokens,
-                                              f"router {policy}")))
-            if policy == "cache-aware" and args.guidellm:
-                crosscheck = _crosscheck(args, tokenizer, specs[-1].url, served)
+        saved_path = os.environ.get("PYTHONPATH")
+        if tree:  # the child processes import the other checkout first
+            os.environ["PYTHONPATH"] = os.pathsep.join([tree] + ([saved_path] if saved_path else []))
+        try:
+            with Supervisor(specs, log_root / (policy + ("-baseline" if tree else "")), ready_timeout_s=900,
+                            out=sys.stderr):
+                engine_urls = [s.url for s in specs[:-1]]
+                results.append(asyncio.run(replay(specs[-1].url, engine_urls, served, trace, args.max_tokens,
+                                                  name)))
+                results[-1].router_rates = router_rates(specs[-1].url)
+                if results[-1].router_rates:
+                    print(f"{name} measured engine rates: {results[-1].router_rates}", file=sys.stderr)
+                if policy == "cache-aware" and not tree and args.guidellm:
+                    crosscheck = _crosscheck(args, tokenizer, specs[-1].url, served)
+        finally:
+            if tree:
+                if saved_path is None:
+                    os.environ.pop("PYTHONPATH", None)
+                else:
+                    os.environ["PYTHONPATH"] = saved_path
         print(_row(results[-1], single), file=sys.stderr, flush=True)
 
     header = ["| system | TTFT p50/p90/p99 (s) | TPOT p50/p90/p99 (ms) | out tok/s | fleet prefix hit rate | ok |",
               "|---|---|---|---|---|---|"]
     print("\n".join(header + [_row(r, single) for r in results]))
     by = {r.name: r for r in results}
-    ca, rr = by.get("router cache-aware"), by.get("router round-robin")
-    if ca and rr and ca.ttft_s and rr.ttft_s:
-        print(f"cache-aware vs round-robin TTFT p90: {rr.ttft_s['p90'] / ca.ttft_s['p90']:.2f}x lower")
+    rr = by.get("router round-robin")
+    for name in ("router cache-aware", "router cache-aware (baseline tree)"):
+        ca = by.get(name)
+        if ca and rr and ca.ttft_s and rr.ttft_s:
+            print(f"{name[7:]} vs round-robin TTFT p90: {rr.ttft_s['p90'] / ca.ttft_s['p90']:.2f}x lower")
     if latency:
         print(f"router added latency (tiny requests, {args.latency_requests} each way): "
               f"p50 {latency['added']['p50'] * 1e3:.2f} ms, p99 {latency['added']['p99'] * 1e3:.2f} ms; "

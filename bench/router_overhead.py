@@ -5,6 +5,8 @@
 2. Decision cost of cache-aware routing: tokenize a chat prompt with the engines' own code
    (the default model's tokenizer and chat template), hash its blocks, look it up in an index
    holding 2 engines x 4096 blocks, run the policy. Prompt sizes 256, 1024, 4096 tokens.
+   Then the policy alone (filters, scorers, pick) over 2 and 16 endpoints that carry load and,
+   where this tree's ``Endpoint`` has them, measured rates: what the load model costs per pick.
 3. Added latency: the same tiny request direct to a null engine (bench/null_engine.py: no
    model, answers at once) and through the router
    (round-robin and cache-aware with a real tokenizer), alternating, p50 and p99.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -32,6 +35,7 @@ from kvmesh.engine.kv.events import KVSnapshot
 from kvmesh.engine.router.app import RouterApp, RouterSettings
 from kvmesh.engine.router.cli import load_tokenizer
 from kvmesh.engine.router.index import PrefixIndex
+from kvmesh.engine.router.index import PrefixMatch
 from kvmesh.engine.router.policies import Endpoint, RouteRequest, build_policy
 from kvmesh.engine.router.prompt import CHAT, analyze
 from kvmesh.engine.util.asgi import ServerThread
@@ -77,6 +81,7 @@ def bench_decision(tokenizer, n: int) -> dict[str, dict[str, float]]:
     words = ("the quick brown fox jumps over the lazy dog while the router hashes every block " * 400).split()
     index = PrefixIndex()
     policy = build_policy("cache-aware")
+    endpoints = [dataclasses.replace(e, id=name) for e, name in zip(loaded_endpoints(2), ("a", "b"))]
     out = {}
     for target in (256, 1024, 4096):
         text = " ".join(words[:int(target * 0.8)])
@@ -94,7 +99,7 @@ def bench_decision(tokenizer, n: int) -> dict[str, dict[str, float]]:
             hs = info.hashes(16, EXTRA)
             t2 = time.perf_counter()
             matches = index.longest_prefix(hs)
-            policy.choose(RouteRequest(info.num_prompt_tokens, 16, matches), [Endpoint("a"), Endpoint("b")], 0)
+            policy.choose(RouteRequest(info.num_prompt_tokens, 16, matches), endpoints, 0)
             t3 = time.perf_counter()
             tok.append(t1 - t0)
             hsh.append(t2 - t1)
@@ -102,6 +107,37 @@ def bench_decision(tokenizer, n: int) -> dict[str, dict[str, float]]:
         out[f"{probe.num_prompt_tokens}_tokens"] = {"tokenize_ms": summary(tok)["p50_ms"],
                                                     "hash_ms": summary(hsh)["p50_ms"],
                                                     "index_and_policy_ms": summary(rest)["p50_ms"]}
+    return out
+
+
+def loaded_endpoints(n: int) -> list[Endpoint]:
+    """``n`` endpoints with running requests, queued prefill and (if the tree has the fields)
+    measured rates, all different, so no pick is a tie."""
+    has_rates = "prefill_s_per_token" in {f.name for f in dataclasses.fields(Endpoint)}
+    out = []
+    for i in range(n):
+        rates = {"prefill_s_per_token": 0.002 + 1e-4 * i, "decode_s_per_seq": 0.01 + 1e-3 * i} if has_rates else {}
+        out.append(Endpoint(f"e{i}", running=i % 5, queued_prefill_tokens=97 * i, **rates))
+    return out
+
+
+def bench_policy(n: int) -> dict[str, dict[str, float]]:
+    """Microseconds per ``Policy.choose`` of the cache-aware policy, the prefix matches given."""
+    out = {}
+    for policy_name in ("cache-aware", "least-load"):
+        policy = build_policy(policy_name)
+        for count in (2, 16):
+            eps = loaded_endpoints(count)
+            matches = {e.id: PrefixMatch(8 * i, {"gpu": 8 * i}, 8.0 * i) for i, e in enumerate(eps)}
+            req = RouteRequest(1500, 16, matches)
+            lat = []
+            for turn in range(n + 100):
+                t = time.perf_counter()
+                policy.choose(req, eps, turn)
+                if turn >= 100:
+                    lat.append(time.perf_counter() - t)
+            out[f"{policy_name}_{count}_endpoints"] = {"p50_us": round(pct(lat, 50) * 1e6, 2),
+                                                        "p99_us": round(pct(lat, 99) * 1e6, 2)}
     return out
 
 
@@ -153,13 +189,20 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--stream-requests", type=int, default=20)
     ap.add_argument("--only-stream", action="store_true", help="run only section 4")
+    ap.add_argument("--only-decision", action="store_true", help="run only section 2")
     args = ap.parse_args()
     results: dict[str, object] = {}
+    if args.only_decision:
+        results["decision_p50"] = bench_decision(load_tokenizer("default"), 200)
+        results["policy_choose"] = bench_policy(args.requests * 10)
+        print(json.dumps(results, indent=2))
+        return 0
     if not args.only_stream:
         engine = ServerThread(NullEngine()).start()
         results["upstream_client"] = asyncio.run(bench_clients(engine.url, args.requests))
         tokenizer = load_tokenizer("default")
         results["decision_p50"] = bench_decision(tokenizer, 200)
+        results["policy_choose"] = bench_policy(args.requests * 10)
         for policy in ("round-robin", "cache-aware"):
             app = RouterApp(RouterSettings(policy=policy, engines=(engine.url,)), tokenizer)
             router = ServerThread(app).start()

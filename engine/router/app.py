@@ -99,7 +99,7 @@ class RouterApp:
         self._fleet_factory = fleet_factory or self._default_fleet
         self._prefill_fleet_factory = prefill_fleet_factory or self._default_prefill_fleet
         self.metrics = RouterMetrics(settings.policy, lambda: self.fleet.num_healthy() if self.fleet else 0,
-                                     self._index_sizes, self._mismatches)
+                                     self._index_sizes, self._mismatches, self._rates)
         self.dispatch = Dispatcher(settings, self.policy, self.sessions, self.metrics, aiohttp.ClientTimeout(
             total=None, connect=settings.connect_timeout_s, sock_read=None))
         self.two_stage: TwoStageRouter | None = None
@@ -153,6 +153,11 @@ class RouterApp:
         for f in self._fleets():
             out.update(f.index.size())
         return out
+
+    def _rates(self) -> dict[str, tuple[float | None, float | None]]:
+        """Each engine's measured (prefill seconds per token, decode seconds per sequence)."""
+        return {st.url: (st.prefill.seconds_per_token(), st.decode_s_per_seq)
+                for f in self._fleets() for st in f.engines.values()}
 
     def _mismatches(self) -> dict[str, str]:
         out: dict[str, str] = {}

@@ -35,6 +35,7 @@ from kvmesh.engine.kv.events import KVEventRecord, KVSnapshot
 from kvmesh.engine.router.index import PrefixIndex, PrefixMatch
 from kvmesh.engine.router.policies import Endpoint
 from kvmesh.engine.router.prompt import PromptInfo, common_hash_spec
+from kvmesh.engine.router.rates import PrefillClock, decode_seconds_per_seq, interval_median
 
 log = logging.getLogger("kvmesh.router.discovery")
 
@@ -83,15 +84,20 @@ def membership_change(current: Iterable[str], wanted: Iterable[str]) -> tuple[li
 
 @dataclass(frozen=True)
 class EngineReport:
-    """What one ``/metrics`` scrape tells the router: running + waiting sequences and free KV
-    blocks of the primary pool (each None when the engine does not report it)."""
+    """What one ``/metrics`` scrape tells the router: running + waiting sequences, free KV
+    blocks of the primary pool, the running batch, and the inter-token latency histogram's
+    cumulative buckets as (le, count), ascending (each None when the engine does not report it)."""
 
     load: int | None = None
     free_blocks: int | None = None
+    running: int | None = None
+    itl_buckets: tuple[tuple[float, float], ...] | None = None
 
 
-_LOAD_GAUGES = ("kvmesh_num_requests_running", "kvmesh_num_requests_waiting")
+_RUNNING_GAUGE = "kvmesh_num_requests_running"
+_LOAD_GAUGES = (_RUNNING_GAUGE, "kvmesh_num_requests_waiting")
 _FREE_BLOCKS_GAUGE = "kvmesh_kv_cache_free_blocks"
+_ITL_BUCKET = "kvmesh_inter_token_latency_seconds_bucket"
 
 
 def engine_report_from_metrics(text: str) -> EngineReport:
@@ -101,19 +107,29 @@ def engine_report_from_metrics(text: str) -> EngineReport:
     The name must end at ``{`` or a space, so a longer metric sharing the prefix never counts.
     """
     load, free, seen_load = 0.0, None, False
+    running: int | None = None
+    itl: dict[float, float] = {}
     for line in text.splitlines():
         if not line.startswith("kvmesh_"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in _LOAD_GAUGES:
             with contextlib.suppress(ValueError, IndexError):
-                load += float(line.rsplit(" ", 1)[1])
+                value = float(line.rsplit(" ", 1)[1])
+                load += value
                 seen_load = True
+                if name == _RUNNING_GAUGE:
+                    running = (running or 0) + int(value)
         elif name == _FREE_BLOCKS_GAUGE and ('tier="' not in line or 'tier="gpu"' in line):
             # Only the primary pool's row: blocks a decode engine can reserve for a transfer.
             with contextlib.suppress(ValueError, IndexError):
                 free = int(float(line.rsplit(" ", 1)[1]))
-    return EngineReport(int(load) if seen_load else None, free)
+        elif name == _ITL_BUCKET:
+            with contextlib.suppress(ValueError, IndexError):
+                le = float(line.split('le="', 1)[1].split('"', 1)[0])
+                itl[le] = itl.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+    return EngineReport(int(load) if seen_load else None, free, running,
+                        tuple(sorted(itl.items())) if itl else None)
 
 
 _ROOT_HEX = ROOT_HASH.hex()
@@ -148,7 +164,9 @@ def engine_load_from_metrics(text: str) -> int | None:
 class EngineState:
     """One engine as the router sees it. ``inflight`` and ``queued_prefill_tokens`` are the
     router's own accounting; ``reported_load`` and ``free_blocks`` are the engine's last scraped
-    running+waiting sequences and free KV blocks (None until reported)."""
+    running+waiting sequences and free KV blocks (None until reported). ``prefill`` times the
+    queued prefill as it drains (the dispatcher feeds it); ``decode_s_per_seq`` is the last
+    scrape interval's decode step time per running sequence (None until measured)."""
 
     url: str
     healthy: bool = False
@@ -162,6 +180,21 @@ class EngineState:
     task: asyncio.Task | None = None
     chain: str | None = None  # chain_mismatch(info), kept with info: the request path reads it
     warned_mismatch: str | None = None
+    prefill: PrefillClock = field(default_factory=PrefillClock)
+    decode_s_per_seq: float | None = None
+    itl_seen: tuple[tuple[float, float], ...] | None = None  # the last scrape's ITL buckets
+
+    def observe_report(self, report: EngineReport) -> None:
+        """Fold one ``/metrics`` scrape into the load view (a missing value keeps the last one)."""
+        if report.load is not None:
+            self.reported_load = report.load
+        if report.free_blocks is not None:
+            self.free_blocks = report.free_blocks
+        if report.itl_buckets is not None:
+            per_seq = decode_seconds_per_seq(interval_median(self.itl_seen, report.itl_buckets), report.running)
+            if per_seq is not None:
+                self.decode_s_per_seq = per_seq
+            self.itl_seen = report.itl_buckets
 
     @property
     def block_size(self) -> int | None:
@@ -191,7 +224,8 @@ class EngineState:
 
     def endpoint(self) -> Endpoint:
         return Endpoint(self.url, self.healthy, self.draining, max(self.inflight, self.reported_load),
-                        self.queued_prefill_tokens, self.free_blocks)
+                        self.queued_prefill_tokens, self.free_blocks, self.prefill.seconds_per_token(),
+                        self.decode_s_per_seq)
 
 
 SubscriberFactory = Callable[[str, dict[str, Any], Callable[..., None], Callable[[KVSnapshot], None],
@@ -399,11 +433,7 @@ class Fleet:
                 if not self._current(state):
                     return
                 if text is not None:
-                    report = engine_report_from_metrics(text)
-                    if report.load is not None:
-                        state.reported_load = report.load
-                    if report.free_blocks is not None:
-                        state.free_blocks = report.free_blocks
+                    state.observe_report(engine_report_from_metrics(text))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             ok = False
             if state.healthy:

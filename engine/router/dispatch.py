@@ -8,7 +8,9 @@ matches), a relay is `attempt` (one engine, with the load and metric bookkeeping
 `serve_plain` is the plain flow: pick, relay, retry on another engine, or answer 503/429.
 
 Invariant: an engine's ``inflight`` and ``queued_prefill_tokens`` count exactly the attempts
-relaying to it now (added before the relay, removed when it ends, whatever the outcome).
+relaying to it now (added before the relay, removed when it ends, whatever the outcome), and its
+``prefill`` clock (engine/router/rates.py) is busy exactly while ``queued_prefill_tokens > 0``:
+it is told of every addition and removal, and times only removals at a first byte.
 """
 
 from __future__ import annotations
@@ -111,8 +113,13 @@ class Dispatcher:
 
         def first_byte(seconds: float) -> None:
             self.metrics.ttft.observe(seconds + ttft_extra_s)
+
+        def first_token() -> None:
+            # The engine has prefilled this prompt: its tokens leave the queue (a chat stream's
+            # role-only first event comes before that, so the first byte would be too early).
             if state is not None:
                 state.queued_prefill_tokens -= pending[0]
+                state.prefill.drained(pending[0], state.queued_prefill_tokens, time.monotonic())
             pending[0] = 0
 
         def engine_failed(why: str) -> None:
@@ -121,11 +128,13 @@ class Dispatcher:
 
         if state is not None:
             state.inflight += 1
+            if uncached > 0:
+                state.prefill.queued(state.queued_prefill_tokens, time.monotonic())
             state.queued_prefill_tokens += uncached
         outcome = "aborted"
         try:
             result = await proxy.attempt(self.session, url + path, body, headers, send,
-                                         proxy.Hooks(first_byte, engine_failed), self.timeout, retry_statuses)
+                                         proxy.Hooks(first_byte, engine_failed, first_token), self.timeout, retry_statuses)
             if isinstance(result, proxy.Done):
                 outcome = result.outcome
                 if result.cached_tokens is not None and info.token_ids is not None \
@@ -137,6 +146,9 @@ class Dispatcher:
         finally:
             if state is not None:
                 state.inflight -= 1
-                state.queued_prefill_tokens -= pending[0]
+                if pending[0]:
+                    state.queued_prefill_tokens -= pending[0]
+                    state.prefill.drained(pending[0], state.queued_prefill_tokens, time.monotonic(),
+                                          measured=False)
             if outcome:
                 self.metrics.count(url, outcome)

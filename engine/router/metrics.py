@@ -44,7 +44,8 @@ CACHED_TOKENS_ERROR_BUCKETS: tuple[float, ...] = tuple(
 class RouterMetrics:
     def __init__(self, policy: str, engines_healthy: Callable[[], int],
                  index_size: Callable[[], Mapping[str, Mapping[str, int]]],
-                 mismatches: Callable[[], Mapping[str, str]] = dict) -> None:
+                 mismatches: Callable[[], Mapping[str, str]] = dict,
+                 rates: Callable[[], Mapping[str, tuple[float | None, float | None]]] = dict) -> None:
         self.policy = policy
         r = self.registry = new_registry()
         self.requests = counter(r, "kvmesh_router_requests_total",
@@ -82,6 +83,7 @@ class RouterMetrics:
         self._engines_healthy = engines_healthy
         self._index_size = index_size
         self._mismatches = mismatches
+        self._rates = rates
         r.register(CallbackCollector(self._collect))
 
     def _collect(self) -> Iterable[Metric]:
@@ -100,6 +102,20 @@ class RouterMetrics:
         for engine, name in self._mismatches().items():
             bad.add_metric([engine, name], 1)
         yield bad
+        prefill = GaugeMetricFamily("kvmesh_router_engine_prefill_seconds_per_token",
+                                    "Prefill seconds per uncached prompt token the router measured on the engine "
+                                    "(its queue's drain rate; absent until measured), which the load score uses.",
+                                    labels=["engine"])
+        decode = GaugeMetricFamily("kvmesh_router_engine_decode_seconds_per_sequence",
+                                   "Median decode step time over the last probe interval per running sequence "
+                                   "(absent until measured), which the load score uses.", labels=["engine"])
+        for engine, (spt, dec) in self._rates().items():
+            if spt is not None:
+                prefill.add_metric([engine], spt)
+            if dec is not None:
+                decode.add_metric([engine], dec)
+        yield prefill
+        yield decode
 
     def count_auth_refusal(self, access: str, status: int) -> None:
         self.auth_refused.labels(access, str(status)).inc()

@@ -5,16 +5,30 @@ request and of every endpoint, the policy answers with an endpoint id. No I/O, n
 randomness (ties rotate by a counter the caller passes), so every decision is reproducible in
 a test.
 
-Score (docs/router.md explains it):
+Score (docs/router.md explains it), in seconds of the endpoint's own measured work:
 
-    score(e) = W_prefix * saved_tokens(e) - W_load * load(e) + W_affinity * [e is the session's]
+    score(e) = W_prefix * saved_s(e) - W_load * load_s(e) + W_affinity * [e is the session's]
+               (W_prefix = PREFIX_WEIGHT = 2, W_load = 1)
+
+    saved_s(e) = saved_tokens(e) * spt(e)
+    load_s(e)  = (queued_prefill_tokens(e) + prompt_tokens) * spt(e) + running(e) * decode_s(e)
 
     saved_tokens(e) = block_size * weighted matched blocks of e   (tier weights gpu > cpu > remote)
-    load(e)         = queued_prefill_tokens(e) + running_cost_tokens * running(e)
 
-Both terms are in tokens of prefill work, so the cache-aware pick is the endpoint where this
-request's first token is expected soonest: the prefill it would skip against the prefill
-already queued ahead of it and the decode batch it would share.
+``spt`` (prefill seconds per token) and ``decode_s`` (seconds per running sequence) are what the
+router measured on that engine (engine/router/rates.py); until it has, the ``LoadModel`` priors
+stand in, and a running request costs ``running_cost_tokens`` prefill tokens.
+
+With unit weights, ``-score(e)`` is the predicted time to this request's first token on ``e``:
+the prefill queued ahead of it and its own uncached prefill (prompt - saved) at that engine's
+rate, plus the decode batch its prefill step shares. The prefix weight of 2 also charges a
+replica for the work it adds ahead of later requests: a prefix cached on a busy engine is
+replicated to another one once the owner's predicted wait exceeds the other's by more than
+twice the prefix's recompute there. Invariant: when every endpoint has the same rates (in
+particular when none is measured) the score is the token score
+(W_prefix * saved - queued - running_cost_tokens * running) times ``spt``, less one constant,
+so it picks the same endpoints. ``prefix_scorer``/``load_scorer`` (tokens) remain for the decode-pool pick
+of two-stage serving.
 """
 
 from __future__ import annotations
@@ -28,6 +42,12 @@ POLICIES = ("cache-aware", "session", "least-load", "round-robin")
 AFFINITY_WEIGHT = 1e12
 """Large enough that no prefix or load difference can outweigh a live session binding."""
 _TIE_EPSILON = 1e-9
+PREFIX_WEIGHT = 2.0
+"""Weight of the prefix saving against the load. A replica's recompute is paid twice: by this
+request's first token, and as prefill work queued ahead of the requests that reach the other
+engine after it (its whole cost to the fleet when the fleet is busy); 1 counts the first only,
+and with the queue counted in full, lets rate noise between engines move conversations back and
+forth, each move evicting and recomputing a prefix."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +59,8 @@ class Endpoint:
     ``queued_prefill_tokens`` is the uncached prompt tokens this router sent that have not
     produced a first token yet; ``free_blocks`` the free KV blocks the engine last reported in
     its ``/metrics`` (None: not reported), read by the decode-pool policy of disaggregated
-    serving.
+    serving. ``prefill_s_per_token`` and ``decode_s_per_seq`` are the engine's measured rates
+    (engine/router/rates.py; None: not measured yet, the ``LoadModel`` priors apply).
     """
 
     id: str
@@ -48,6 +69,8 @@ class Endpoint:
     running: int = 0
     queued_prefill_tokens: int = 0
     free_blocks: int | None = None
+    prefill_s_per_token: float | None = None
+    decode_s_per_seq: float | None = None
 
 
 @dataclass(frozen=True)
@@ -70,11 +93,25 @@ class RouteRequest:
 
 @dataclass(frozen=True)
 class LoadModel:
-    """How requests in flight weigh against prefill tokens (``running_cost_tokens`` per request)."""
+    """How requests in flight weigh against prefill tokens (``running_cost_tokens`` per request),
+    and the priors for an engine whose rates are not measured yet."""
 
     running_cost_tokens: float = 64.0
     max_running: int = 0
     """An endpoint with this many requests in flight is skipped while another is below it (0: no cap)."""
+    prefill_s_per_token: float = 0.002
+    """Prior prefill seconds per token (500 tok/s) for an endpoint not measured yet."""
+
+    def prefill_spt(self, e: Endpoint) -> float:
+        """``e``'s measured prefill seconds per token, else the prior (always > 0)."""
+        m = e.prefill_s_per_token
+        return m if m is not None and m > 0 else self.prefill_s_per_token
+
+    def decode_s(self, e: Endpoint) -> float:
+        """Seconds one running request of ``e`` adds ahead of a new first token: measured, else
+        ``running_cost_tokens`` at ``e``'s prefill rate."""
+        m = e.decode_s_per_seq
+        return m if m is not None and m >= 0 else self.running_cost_tokens * self.prefill_spt(e)
 
 
 Filter = Callable[[RouteRequest, Sequence[Endpoint]], list[Endpoint]]
@@ -132,6 +169,36 @@ def load_scorer(load: LoadModel) -> Scorer:
     return score
 
 
+def prefix_seconds_scorer(load: LoadModel) -> Scorer:
+    """Prefill seconds each endpoint would skip: ``prefix_scorer``'s tokens at its own rate.
+
+    The rate is the endpoint's own because the saving is what that engine would otherwise
+    spend: a prefix cached on a slow engine saves more seconds than on a fast one.
+    """
+
+    def score(req: RouteRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
+        tokens = prefix_scorer(req, endpoints)
+        return {e.id: tokens[e.id] * load.prefill_spt(e) for e in endpoints}
+
+    return score
+
+
+def load_seconds_of(e: Endpoint, load: LoadModel, prompt_tokens: int = 0) -> float:
+    """Predicted seconds until a new request of ``prompt_tokens`` gets its first token on ``e``
+    if nothing of it were cached: the queued prefill and its own at ``e``'s rate, plus the running
+    batch's decode share (>= 0; the prefix scorer credits back what ``e`` has cached)."""
+    return (e.queued_prefill_tokens + prompt_tokens) * load.prefill_spt(e) + e.running * load.decode_s(e)
+
+
+def load_seconds_scorer(load: LoadModel) -> Scorer:
+    """Minus ``load_seconds_of`` each endpoint for this request's prompt (higher is better)."""
+
+    def score(req: RouteRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
+        return {e.id: -load_seconds_of(e, load, req.prompt_tokens) for e in endpoints}
+
+    return score
+
+
 def affinity_scorer(req: RouteRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
     """1 for the endpoint the request's session is bound to, 0 for the others."""
     return {e.id: 1.0 if req.session_target is not None and e.id == req.session_target else 0.0
@@ -182,20 +249,21 @@ class Policy:
         return pick(combine(req, candidates, self.scorers), turn)
 
 
-def build_policy(name: str, load: LoadModel = LoadModel(), prefix_weight: float = 1.0,
+def build_policy(name: str, load: LoadModel = LoadModel(), prefix_weight: float = PREFIX_WEIGHT,
                  load_weight: float = 1.0) -> Policy:
     """One of ``POLICIES``; raises ValueError naming the valid ones otherwise."""
     base = (healthy_filter, not_draining_filter)
     capped = base + (load_cap_filter(load),)
+    saved, busy = prefix_seconds_scorer(load), load_seconds_scorer(load)
     if name == "cache-aware":
-        return Policy(name, capped, ((prefix_scorer, prefix_weight), (load_scorer(load), load_weight)))
+        return Policy(name, capped, ((saved, prefix_weight), (busy, load_weight)))
     if name == "session":
         # The affinity scorer dominates; the filters drop a gone or saturated target first, so
         # the same pipeline falls back to cache-aware on its own.
-        return Policy(name, capped, ((affinity_scorer, AFFINITY_WEIGHT), (prefix_scorer, prefix_weight),
-                                     (load_scorer(load), load_weight)))
+        return Policy(name, capped, ((affinity_scorer, AFFINITY_WEIGHT), (saved, prefix_weight),
+                                     (busy, load_weight)))
     if name == "least-load":
-        return Policy(name, capped, ((load_scorer(load), 1.0),))
+        return Policy(name, capped, ((busy, 1.0),))
     if name == "round-robin":
         return Policy(name, base, ())
     raise ValueError(f"unknown routing policy {name!r}; use one of {', '.join(POLICIES)}")

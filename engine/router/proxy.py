@@ -21,6 +21,7 @@ import msgspec
 from kvmesh.engine.api import errors
 from kvmesh.engine.api.auth import Credentials
 from kvmesh.engine.api.errors import APIError
+from kvmesh.engine.router.slo import token_events
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -59,10 +60,18 @@ class Done:
 
 @dataclass
 class Hooks:
-    """Called by an attempt as the response progresses (accounting and metrics)."""
+    """Called by an attempt as the response progresses (accounting and metrics).
+
+    ``first_token`` is called once, when the first body chunk that completes an event carrying
+    generated tokens arrives (a non-streamed body: with ``first_byte``): a chat stream's opening
+    role-only event comes before the engine has prefilled anything, so only this marks the end
+    of the request's prefill. Finding it costs one ``bytes.count`` scan per chunk up to it, none
+    after.
+    """
 
     first_byte: Callable[[float], None]  # seconds from dispatch to the first upstream body byte
     engine_failed: Callable[[str], None]
+    first_token: Callable[[], None] = lambda: None
 
 
 def forward_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -163,6 +172,7 @@ async def attempt(session: aiohttp.ClientSession, url: str, body: bytes, headers
                 return Retry("disconnect", f"{type(e).__name__}: {e}", engine_down=True)
             complete = True
             hooks.first_byte(time.perf_counter() - start)
+            hooks.first_token()
             await send({"type": "http.response.start", "status": resp.status,
                         "headers": response_headers(resp, len(data))})
             await send({"type": "http.response.body", "body": data})
@@ -185,11 +195,17 @@ async def _relay_stream(resp: aiohttp.ClientResponse, send: Send, hooks: Hooks, 
     if not first:
         return Retry("disconnect", "the engine closed the stream before its first event", engine_down=True)
     hooks.first_byte(time.perf_counter() - start)
+    waiting_token = not token_events(first)
+    if not waiting_token:
+        hooks.first_token()
     await send({"type": "http.response.start", "status": resp.status, "headers": response_headers(resp, None)})
     await send({"type": "http.response.body", "body": first, "more_body": True})
     cached = _usage_in_chunk(first)
     try:
         async for chunk in resp.content.iter_any():
+            if waiting_token and token_events(chunk):
+                waiting_token = False
+                hooks.first_token()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if cached is None:
                 cached = _usage_in_chunk(chunk)

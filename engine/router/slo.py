@@ -33,11 +33,12 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvmesh.engine.router.proxy import Send
+if TYPE_CHECKING:  # proxy imports token_events from here
+    from kvmesh.engine.router.proxy import Send
 
 _EVENT_END = b"\n\n"
 _ROLE = b'"role"'  # a chat stream's opening event, one per choice: a role and no token

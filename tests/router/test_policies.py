@@ -6,7 +6,9 @@ from kvmesh.engine.router.index import PrefixMatch
 from kvmesh.engine.router.policies import (
     AFFINITY_WEIGHT,
     Endpoint,
+    PREFIX_WEIGHT,
     LoadModel,
+    Policy,
     RouteRequest,
     affinity_scorer,
     build_policy,
@@ -15,9 +17,12 @@ from kvmesh.engine.router.policies import (
     load_cap_filter,
     load_of,
     load_scorer,
+    load_seconds_of,
+    load_seconds_scorer,
     not_draining_filter,
     pick,
     prefix_scorer,
+    prefix_seconds_scorer,
     uses_prefix,
 )
 from kvmesh.engine.router.sessions import SessionTable, session_key
@@ -59,6 +64,69 @@ def test_load_scorer_counts_queued_tokens_and_running_requests():
     assert load_scorer(lm)(RouteRequest(), [e, B]) == {"a": -130, "b": 0}
 
 
+def test_seconds_scorers_use_each_endpoints_measured_rates_else_the_priors():
+    lm = LoadModel(running_cost_tokens=10, prefill_s_per_token=0.002)
+    slow = Endpoint("a", running=2, queued_prefill_tokens=100, prefill_s_per_token=0.004, decode_s_per_seq=0.03)
+    unmeasured = Endpoint("b", running=3, queued_prefill_tokens=100)
+    assert load_seconds_of(slow, lm) == pytest.approx(100 * 0.004 + 2 * 0.03)
+    assert load_seconds_of(unmeasured, lm) == pytest.approx((100 + 3 * 10) * 0.002)  # the token load at the prior
+    assert load_seconds_scorer(lm)(RouteRequest(), [slow])["a"] == pytest.approx(-0.46)
+    # The request's own prompt counts at each endpoint's rate: the faster one wins an empty cache.
+    assert load_seconds_scorer(lm)(RouteRequest(prompt_tokens=50), [slow])["a"] == pytest.approx(-0.66)
+    req = RouteRequest(prompt_tokens=40, block_size=16, matches={"a": PrefixMatch(2, {"gpu": 2}, 2.0),
+                                                                "b": PrefixMatch(2, {"gpu": 2}, 2.0)})
+    saved = prefix_seconds_scorer(lm)(req, [slow, unmeasured])
+    assert saved["a"] == pytest.approx(32 * 0.004) and saved["b"] == pytest.approx(32 * 0.002)
+
+
+def test_without_measurements_the_seconds_policy_picks_what_the_token_policy_did():
+    """Invariant: unmeasured, every seconds score is the token score times the prior, so each pick
+    (the tie rotation included) is the token policy's."""
+    token_policy = Policy("tokens", (), ((prefix_scorer, PREFIX_WEIGHT), (load_scorer(LoadModel()), 1.0)))
+    seconds_policy = build_policy("cache-aware")
+    cases = 0
+    for cached_a in (0, 4, 10, 40):
+        for cached_b in (0, 2, 10):
+            for run_a, run_b in ((0, 0), (1, 0), (3, 1), (0, 5)):
+                for q_a, q_b in ((0, 0), (500, 0), (0, 160), (64, 64)):
+                    req = RouteRequest(prompt_tokens=700, block_size=16, matches={
+                        "a": PrefixMatch(cached_a, {"gpu": cached_a}, float(cached_a)),
+                        "b": PrefixMatch(cached_b, {"cpu": cached_b}, 0.8 * cached_b)})
+                    eps = [Endpoint("a", running=run_a, queued_prefill_tokens=q_a),
+                           Endpoint("b", running=run_b, queued_prefill_tokens=q_b)]
+                    for turn in (0, 1):
+                        assert seconds_policy.choose(req, eps, turn) == token_policy.choose(req, eps, turn)
+                        cases += 1
+    assert cases == 384
+
+
+def test_a_hot_prefix_is_replicated_once_its_owners_queue_costs_more_than_it_saves():
+    """1,504 tokens cached on ``a``; the request's 1,600 cost ``b`` 3.2 s at 2 ms/token. With the
+    prefix weighed twice (this request, and the work a replica queues ahead of later ones),
+    ``a``'s score is -(queued + 1600 - 2 * 1504) * spt_a - running * 10 ms: ``a`` keeps the request
+    until its queue predicts 3.2 s more than that, ``b`` takes it (a replica) after."""
+    assert PREFIX_WEIGHT == 2.0
+    pol = build_policy("cache-aware")
+    req = RouteRequest(prompt_tokens=1600, block_size=16, matches={"a": PrefixMatch(94, {"gpu": 94}, 94.0)})
+    idle_b = Endpoint("b", prefill_s_per_token=0.002, decode_s_per_seq=0.01)
+
+    def owner(queued, running, spt=0.002):
+        return Endpoint("a", running=running, queued_prefill_tokens=queued, prefill_s_per_token=spt,
+                        decode_s_per_seq=0.01)
+
+    assert pol.choose(req, [owner(2000, 4), idle_b], 0) == "a"  # 1.22 s < 3.2 s
+    assert pol.choose(req, [owner(3100, 4), idle_b], 0) == "b"  # 3.42 s > 3.2 s
+    # The same queue on an owner slowed to 4 ms/token (a big decode batch) costs twice the seconds.
+    assert pol.choose(req, [owner(2400, 4), idle_b], 0) == "a"  # 2.02 s
+    assert pol.choose(req, [owner(2400, 4, spt=0.004), idle_b], 0) == "b"  # 4.01 s
+    # A running batch counts at its measured step share.
+    assert pol.choose(req, [owner(2000, 150), idle_b], 0) == "a"  # 1.18 + 1.5 < 3.2
+    assert pol.choose(req, [owner(2000, 250), idle_b], 0) == "b"  # 1.18 + 2.5 > 3.2
+    # A busy other engine keeps the request on the owner longer.
+    busy_b = Endpoint("b", queued_prefill_tokens=500, prefill_s_per_token=0.002, decode_s_per_seq=0.01)
+    assert pol.choose(req, [owner(3100, 4), busy_b], 0) == "a"
+
+
 def test_affinity_scorer():
     assert affinity_scorer(RouteRequest(session_target="b"), [A, B]) == {"a": 0.0, "b": 1.0}
     assert affinity_scorer(RouteRequest(), [A, B]) == {"a": 0.0, "b": 0.0}
@@ -74,7 +142,7 @@ def test_combine_weights_and_pick_rotates_ties():
 
 
 def test_cache_aware_trades_saved_prefill_against_load():
-    pol = build_policy("cache-aware", LoadModel(running_cost_tokens=64))
+    pol = build_policy("cache-aware", LoadModel(running_cost_tokens=64), prefix_weight=1.0)
     matches = {"a": PrefixMatch(10, {"gpu": 10}, 10.0)}  # 160 tokens cached on a
     req = RouteRequest(prompt_tokens=200, block_size=16, matches=matches)
     assert pol.choose(req, [Endpoint("a", running=1), Endpoint("b")], 0) == "a"  # 160 - 64 > 0

@@ -258,6 +258,21 @@ def test_cache_aware_sends_a_request_to_the_engine_holding_its_prefix(cluster_fa
         c.stop()
 
 
+def test_streamed_requests_time_the_engines_prefill_from_queue_to_first_token(cluster_factory):
+    """The dispatcher's invariant: queued prefill tokens count exactly the attempts without a
+    first token yet, and each first token is a timed sample of the engine's prefill clock."""
+    c = cluster_factory("cache-aware", [FakeEngine("a", Behavior(chunks=4, chunk_interval_s=0.01))])
+    prompt = "x" * 200  # the byte tokenizer: about 200 uncached tokens
+    r = completion(c.url, prompt, stream=True)
+    assert r.status_code == 200 and len(sse_events(r.text)) == 5
+    st = c.app.fleet.engines[c.engines[0].url]
+    assert st.queued_prefill_tokens == 0 and st.inflight == 0 and st.prefill.busy_since is None
+    assert 190 <= st.prefill.estimate.units <= 210 and st.prefill.estimate.seconds > 0
+    completion(c.url, prompt)  # not streamed: the whole body is the first token
+    assert st.prefill.estimate.units > 300 and st.prefill.seconds_per_token() is not None
+    assert c.metric("kvmesh_router_engine_prefill_seconds_per_token", engine=st.url) > 0
+
+
 def test_session_policy_is_sticky_by_header_and_by_user(cluster_factory):
     c = cluster_factory("session", [FakeEngine("a"), FakeEngine("b")])
     first = completion(c.url, headers={"x-session-id": "s1"}).json()["engine"]
