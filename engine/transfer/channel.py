@@ -26,7 +26,7 @@ import numpy as np
 from ucxx.exceptions import UCXError
 
 from . import protocol, shm_lane
-from .errors import PeerGone, ProtocolError, TransferTimeout
+from .errors import LaneMismatch, PeerGone, ProtocolError, TransferTimeout
 from .posted import post
 from .shm_lane import LaneUnavailable, ShmLane
 
@@ -166,7 +166,7 @@ class Channel:
         except LaneUnavailable:
             self.broken = True  # the server believes in a lane this side cannot use: start over
             lane.close()
-            raise PeerGone(f"{self.peer} offered a lane this side cannot open") from None
+            raise LaneMismatch(f"{self.peer} answered with a lane this side cannot open") from None
         except BaseException:
             lane.close()
             raise

@@ -37,8 +37,8 @@ from kvmesh.engine.block_hash import ROOT_HASH
 from .auth import TokenSource, no_token
 from .buffers import KVBlock
 from .channel import Channel
-from .errors import (AuthFailed, ConnectFailed, HeaderMismatch, PeerGone, ProtocolError, RemoteError, TransferError,
-                     TransferTimeout)
+from .errors import (AuthFailed, ConnectFailed, HeaderMismatch, LaneMismatch, PeerGone, ProtocolError, RemoteError,
+                     TransferError, TransferTimeout)
 from .header import BlockBatch, BlockLayout, check_batch
 from .loop_thread import LoopThread
 from .posted import start
@@ -325,7 +325,11 @@ class AsyncKVClient:
                                     f"this side {protocol.PROTOCOL_VERSION}")
             await self._authenticate(ch, mine, hello)
             if self.shm:
-                await ch.offer_lane(self.lane_chunk_bytes)
+                try:
+                    await ch.offer_lane(self.lane_chunk_bytes)
+                except LaneMismatch:
+                    self.shm = False  # the next connection goes without: this one failing once is enough
+                    raise
         except BaseException:
             ch.abort()
             raise

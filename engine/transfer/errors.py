@@ -60,3 +60,8 @@ def _short(value: Any) -> str:
         return value.hex()[:16] + ("..." if len(value) > 8 else "")
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+class LaneMismatch(PeerGone):
+    """The peer took a same-host lane this side cannot open (an odd /dev/shm setup): the
+    connection is dropped, and the client offers no lane again."""

@@ -252,3 +252,30 @@ def test_the_lane_is_offered_only_after_the_token_is_proven(loop):
         assert server.lanes == 0 and lane_files() == before
     finally:
         loop.call(server.close(), 10)
+
+
+def test_a_lane_this_side_cannot_open_fails_one_connection_and_is_not_offered_again(loop, monkeypatch):
+    """The server took the lane but its file is not visible here (an odd /dev/shm setup): that
+    connection fails once, and the client's next connection goes over UCX alone."""
+    real = shm_lane.open_peer_file
+    calls = []
+
+    def second_call_fails(name, nonce, min_size):  # the server opens first, then the client
+        calls.append(name)
+        if len(calls) == 2:
+            raise LaneUnavailable("not visible here")
+        return real(name, nonce, min_size)
+
+    monkeypatch.setattr(shm_lane, "open_peer_file", second_call_fails)
+    node = lane_node(loop)
+    lay = layout(block_size=16, layers=4)
+    blks, _ = blocks(lay, 4)
+    try:
+        with node.client() as c:
+            with pytest.raises(PeerGone):
+                c.put(blks).result(20)
+            assert c.put(blks).result(20) == [protocol.STORED] * 4
+            assert c._client.lanes == 0 and not c._client.shm
+    finally:
+        node.close()
+    node.store.check_integrity()
