@@ -10,12 +10,16 @@ running request counts and KV cache utilization, plus optionally the block
 size and block count; its endpoint picker looks for them under vLLM's names by
 default, so we export those names too (`vllm:num_requests_waiting`,
 `vllm:num_requests_running`, `vllm:kv_cache_usage_perc` with its older alias
-`vllm:gpu_cache_usage_perc`, and `vllm:cache_config_info`). As in vLLM, the
-"perc" gauges hold a fraction in [0, 1].
+`vllm:gpu_cache_usage_perc`, `vllm:cache_config_info` and `vllm:lora_requests_info`). As in
+vLLM, the "perc" gauges hold a fraction in [0, 1]. `vllm:lora_requests_info` carries the adapter
+lists as labels and, as its value, the time they last changed (the picker keeps the newest
+series); kvmesh serves no LoRA adapters yet, so both lists are empty, `max_lora` is 0 and the
+value is the time the model was loaded.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -115,6 +119,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.block_size = block_size
         self._info = {"model_name": model_name, "dtype": dtype, "dtype_source": dtype_source, "device": device}
+        self._adapters_changed_at = time.time()  # wall clock: the picker compares it across series
         if not model_name:
             return  # no empty-labelled histogram series while the model loads
         self._ttft = self._hist_ttft.labels(model_name)
@@ -253,3 +258,8 @@ class ServerMetrics:
         yield gauge_family("vllm:cache_config_info", "KV cache geometry (BlockSize, NumGPUBlocks) as labels.", 1.0,
                            {"model_name": self.model_name, "block_size": str(self.block_size),
                             "num_gpu_blocks": str(s.num_kv_blocks)})
+        yield gauge_family("vllm:lora_requests_info", "LoRA adapters loaded (running_lora_adapters) and waited "
+                           "for (waiting_lora_adapters), comma-separated, as labels; the value is the time "
+                           "they last changed (seconds since the epoch).", self._adapters_changed_at,
+                           {"model_name": self.model_name, "max_lora": "0", "running_lora_adapters": "",
+                            "waiting_lora_adapters": ""})
