@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import zmq
 
 from .event_auth import curve_keys, secure_server
-from .event_wire import REPLAY_END, encode_record, seq_from_bytes, topic_for, WireFormatError
+from .event_wire import REPLAY_END, TopicScheme, encode_record, seq_from_bytes, WireFormatError
 from .events import KVEventLog, KVEventRecord
 from .replay_budget import ReplayBudget, ReplayLimits
 
@@ -80,12 +80,15 @@ class KVEventPublisher:
     """
 
     def __init__(self, host: str, port: int, token: str | None = None, token_ids: bool = False,
-                 replay_limits: ReplayLimits | None = None) -> None:
+                 replay_limits: ReplayLimits | None = None, scheme: TopicScheme | None = None) -> None:
         """``token``: the deployment's internal token; with it both sockets serve CURVE-authenticated
         subscribers only (kv/event_auth.py). ``token_ids``: put the blocks' token ids in
         ``BlockStored`` (some external indexers need them; they reveal every tenant's prompts and
-        completions to every subscriber, so they are off unless asked for)."""
+        completions to every subscriber, so they are off unless asked for). ``scheme``: the topic
+        (kvmesh's by default; llm-d's names the pod and the model, see event_wire)."""
         self.token_ids = token_ids
+        self.scheme = scheme or TopicScheme()
+        self._topic: bytes | None = None
         self.budget = ReplayBudget(replay_limits or ReplayLimits())
         self._encoded: deque[tuple[int, bytes, bytes]] = deque()
         self._encoded_lock = threading.Lock()
@@ -115,7 +118,8 @@ class KVEventPublisher:
 
     @property
     def topic(self) -> bytes | None:
-        return topic_for(self.log.engine_id) if self.log is not None else None
+        """The topic every message carries; None until ``start``."""
+        return self._topic
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def bind(self) -> None:
@@ -157,12 +161,16 @@ class KVEventPublisher:
             raise
         self._ctx, self._pub, self._router = ctx, pub, router
 
-    def start(self, log: KVEventLog) -> None:
-        """Start streaming ``log`` (binding first if needed). Records already in the ring are sent too."""
+    def start(self, log: KVEventLog, model: str = "") -> None:
+        """Start streaming ``log`` (binding first if needed). Records already in the ring are sent too.
+        ``model``: the name clients use for the engine's model (the llm-d topic carries it); raises
+        ``TopicError`` when the scheme cannot form a topic from it."""
         if self._threads:
             raise RuntimeError("KVEventPublisher.start() called twice")
+        topic = self.scheme.topic(log.engine_id, model)
         self.bind()
         self.log = log
+        self._topic = topic
         self._encoded = deque(maxlen=log.capacity)
         self._threads = [
             threading.Thread(target=self._stream_loop, name="kvmesh-kv-pub", daemon=True),

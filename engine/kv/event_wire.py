@@ -15,6 +15,15 @@ engines (Dynamo's ZMQ relay, llm-d's precise prefix-cache scorer) can read kvmes
   The topic is ``kv-events/<engine id>``: a subscriber that subscribes to the prefix
   ``kv-events`` receives every engine's stream and can still tell them apart.
 
+* The ``llm-d`` format (``--kv-events-format llm-d``) is the same stream under the topic
+  ``kv@<pod>@<model>``, which llm-d's precise prefix-cache indexer (github.com/llm-d/llm-d-kv-cache,
+  pkg/kvevents) splits on ``@`` to learn the pod and the model. That indexer keys blocks by hashes
+  of their token ids, so it needs them in ``BlockStored`` (``--kv-events-token-ids``) and its
+  block size must equal the engine's. It reads a 32-byte block hash as the integer of its last 8
+  bytes (big-endian), and a ``BlockStored`` whose parent it has not seen is dropped, which is why
+  the first block of a chain carries no parent (nil). kvmesh's own subscribers read either topic:
+  one that names no engine is attributed to the engine the snapshot names.
+
 * Replay (ROUTER socket, the PUB port + 1): a DEALER sends one frame, the first wanted seq as
   8-byte big-endian. The engine answers ``[b"", seq, payload]`` for every buffered record from
   that seq on, then the end marker ``[b"", REPLAY_END, b""]``. When the wanted seq is older
@@ -26,6 +35,7 @@ Invariant: ``to_internal(from_internal(e)) == e`` for every internal event (the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -39,8 +49,49 @@ REPLAY_END = (-1).to_bytes(8, "big", signed=True)
 SNAPSHOT_FORMAT = "kvmesh-kv-snapshot-v1"
 
 
+KVMESH_FORMAT = "kvmesh"
+LLMD_FORMAT = "llm-d"
+EVENT_FORMATS = (KVMESH_FORMAT, LLMD_FORMAT)
+LLMD_TOPIC_PREFIX = "kv@"
+
+
+class TopicError(ValueError):
+    """A topic cannot be formed from the given names (the text says which and why)."""
+
+
 def topic_for(engine_id: str) -> bytes:
     return TOPIC_PREFIX + b"/" + engine_id.encode()
+
+
+def llmd_topic(pod: str, model: str) -> bytes:
+    """``kv@<pod>@<model>``; llm-d splits it on ``@`` into exactly three parts, so neither name may
+    hold one (nor be empty)."""
+    for what, name in (("pod", pod), ("model", model)):
+        if not name or "@" in name:
+            raise TopicError(f"llm-d KV event topics are kv@<pod>@<model>; the {what} name {name!r} "
+                             f"{'is empty' if not name else 'contains @'}: choose another "
+                             f"{'--kv-events-pod' if what == 'pod' else '--served-model-name'}")
+    return f"{LLMD_TOPIC_PREFIX}{pod}@{model}".encode()
+
+
+@dataclass(frozen=True)
+class TopicScheme:
+    """Which topic a publisher sends under: ``kvmesh`` (``kv-events/<engine id>``) or ``llm-d``
+    (``kv@<pod>@<model>``; ``pod`` empty means the engine id)."""
+
+    format: str = KVMESH_FORMAT
+    pod: str = ""
+
+    def __post_init__(self) -> None:
+        if self.format not in EVENT_FORMATS:
+            raise TopicError(f"unknown KV event format {self.format!r}; use one of {', '.join(EVENT_FORMATS)}")
+        if self.pod and "@" in self.pod:
+            llmd_topic(self.pod, "x")  # raises with the message
+
+    def topic(self, engine_id: str, model: str) -> bytes:
+        if self.format == LLMD_FORMAT:
+            return llmd_topic(self.pod or engine_id, model)
+        return topic_for(engine_id)
 
 
 def engine_of_topic(topic: bytes) -> str:

@@ -89,7 +89,7 @@ class ServerApp:
         self.metrics.set_model(names[0], engine.config.block_size, choice.dtype if choice else "",
                                choice.source if choice else "", str(getattr(engine, "device", "")))
         if self.kv_publisher is not None:
-            self.kv_publisher.start(self.aengine.engine.events)
+            self.kv_publisher.start(self.aengine.engine.events, model=names[0])
         self.disagg.on_loaded()
 
     def _build(self) -> FastAPI:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES
@@ -48,6 +49,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_max_request_bytes(s, DEFAULT_MAX_REQUEST_BYTES)
     s.add_argument("--kv-events-host", default=None, metavar="ADDR",
                    help="address the KV event sockets bind (default: --host)")
+    s.add_argument("--kv-events-pod", default=None, metavar="NAME",
+                   help="--kv-events-format llm-d: the pod named in the topic kv@<pod>@<model>, as the "
+                        "indexer's scheduler names pods (default: $POD_IP when set, else the engine id)")
     add_auth_arguments(p)
 
 
@@ -111,9 +115,37 @@ def settings_from_args(args: argparse.Namespace):  # -> ServeSettings
         auth = credentials_from_args(args)
     except AuthConfigError as e:
         raise ServeArgsError(str(e)) from None
-    return ServeSettings(engine=engine, served_model_names=served_names, max_request_bytes=args.max_request_bytes,
-                         kv_events_host=args.kv_events_host or args.host, auth=auth,
-                         **option_values(ServeSettings, args))
+    settings = ServeSettings(engine=engine, served_model_names=served_names,
+                             max_request_bytes=args.max_request_bytes,
+                             kv_events_host=args.kv_events_host or args.host, auth=auth,
+                             kv_events_pod=args.kv_events_pod or os.environ.get("POD_IP", ""),
+                             **option_values(ServeSettings, args))
+    if args.kv_events_pod and settings.kv_events_format != "llm-d":
+        raise ServeArgsError("--kv-events-pod names the pod in llm-d topics; add --kv-events-format llm-d")
+    check_kv_events_format(settings)
+    return settings
+
+
+def check_kv_events_format(settings) -> None:  # settings: ServeSettings
+    """The llm-d layout is only useful with token ids and names that fit its topic; say so at startup
+    rather than publish a stream its indexer silently drops."""
+    from kvmesh.engine.kv.event_wire import LLMD_FORMAT, TopicError, TopicScheme, llmd_topic
+
+    if settings.kv_events_format != LLMD_FORMAT:
+        return
+    if not settings.kv_events_port:
+        raise ServeArgsError("--kv-events-format llm-d needs --kv-events-port (the stream is off without it)")
+    if not settings.kv_events_token_ids:
+        raise ServeArgsError(
+            "--kv-events-format llm-d needs --kv-events-token-ids: llm-d's indexer keys blocks by their "
+            "token ids and drops BlockStored events without them. The flag lets every event subscriber "
+            "read all prompts and completions, so it is never implied; pass it to accept that")
+    try:
+        TopicScheme(settings.kv_events_format, settings.kv_events_pod)
+        for name in settings.served_model_names:
+            llmd_topic("pod", name)
+    except TopicError as e:
+        raise ServeArgsError(str(e)) from None
 
 
 def handler(args: argparse.Namespace) -> int:

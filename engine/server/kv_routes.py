@@ -27,7 +27,9 @@ from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
 def kv_events_info(publisher: KVEventPublisher | None, engine_id: str) -> dict[str, Any] | None:
     if publisher is None:
         return None
-    return {"port": publisher.port, "replay_port": publisher.replay_port, "topic": topic_for(engine_id).decode()}
+    topic = publisher.topic or topic_for(engine_id)  # None only before the engine loaded
+    return {"port": publisher.port, "replay_port": publisher.replay_port, "topic": topic.decode(),
+            "format": publisher.scheme.format}
 
 
 def kv_info(engine: Any, publisher: KVEventPublisher | None) -> dict[str, Any]:

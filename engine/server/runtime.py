@@ -29,6 +29,7 @@ from typing import Any
 import uvicorn
 
 from kvmesh.engine.kv.event_publisher import KVEventPublisher, KVEventsBindError
+from kvmesh.engine.kv.event_wire import TopicScheme
 from kvmesh.engine.server.app import ServerApp
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
 from kvmesh.engine.server.drain import Drainer
@@ -119,7 +120,8 @@ def build_server(settings: ServeSettings, engine_factory: Callable[[], Any] | No
     if settings.kv_events_port:
         publisher = KVEventPublisher(settings.kv_events_host, settings.kv_events_port,
                                      token=settings.auth.internal_token(),
-                                     token_ids=settings.kv_events_token_ids)
+                                     token_ids=settings.kv_events_token_ids,
+                                     scheme=TopicScheme(settings.kv_events_format, settings.kv_events_pod))
         publisher.bind()  # a busy port fails here, before the model loads
     server_app = ServerApp(aengine, settings.served_model_names, kv_publisher=publisher,
                            drain_timeout_s=settings.drain_timeout_s, role=settings.role,

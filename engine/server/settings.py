@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kvmesh.engine.api.auth import Credentials
 from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from kvmesh.engine.config import SERVER, EngineConfig
+from kvmesh.engine.kv.event_wire import EVENT_FORMATS, KVMESH_FORMAT
 from kvmesh.engine.roles import ROLES
 from kvmesh.engine.util.cliargs import port_or_zero
 from kvmesh.engine.util.setting import setting
@@ -54,6 +55,12 @@ class ServeSettings:
         False, "--kv-events-token-ids", group=SERVER, action="store_true",
         help="put token ids in BlockStored events (external indexers that rebuild hashes from tokens need "
              "them; they reveal every prompt and completion to subscribers; default: off, hashes only)")
+    kv_events_format: str = setting(
+        KVMESH_FORMAT, "--kv-events-format", group=SERVER, choices=EVENT_FORMATS,
+        help="topic layout of the KV event stream: kvmesh (kv-events/<engine id>) or llm-d "
+             "(kv@<pod>@<model>, what llm-d's precise prefix-cache indexer subscribes to; it needs "
+             "--kv-events-token-ids) (default: %(default)s)")
+    kv_events_pod: str = ""  # --kv-events-pod (server/cli.py: default $POD_IP, else the engine id)
     role: str = setting(
         "both", "--role", group=SERVER, choices=ROLES,
         help="both: prefill and decode in this engine (default); prefill: compute prompts and hand their KV "

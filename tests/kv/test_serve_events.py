@@ -90,7 +90,8 @@ async def _workload(client: httpx.AsyncClient, rng: random.Random, n: int) -> No
 def test_subscribers_reproduce_the_engine_cache(server):
     proc, port = server
     info = httpx.get(proc.url("/kv/info")).json()
-    assert info["kv_events"] == {"port": port, "replay_port": port + 1, "topic": f"kv-events/{info['engine_id']}"}
+    assert info["kv_events"] == {"port": port, "replay_port": port + 1, "topic": f"kv-events/{info['engine_id']}",
+                                 "format": "kvmesh"}
     assert info["root_hash"] == ROOT_HASH.hex() and info["block_size"] == BLOCK
     assert extra_key(info["model"], info["dtype"], info["lora"], info["cache_salt"]).hex() == info["extra_key"]
 

@@ -70,7 +70,8 @@ def test_routes_answer_503_until_loaded_then_describe_the_cache():
             "engine_id": "engine-fake", "block_size": 4, "hash_function": "sha256",
             "root_hash": ROOT_HASH.hex(), "extra_key": engine.kv.extra.hex(),
             "model": "fake-model", "dtype": "bfloat16", "lora": None, "cache_salt": "tenant-7",
-            "kv_events": {"port": port, "replay_port": port + 1, "topic": "kv-events/engine-fake"},
+            "kv_events": {"port": port, "replay_port": port + 1, "topic": "kv-events/engine-fake",
+                          "format": "kvmesh"},
             "tiers": ["gpu"], "role": "both", "transfer_port": None, "tokenizer": engine.tokenizer.fingerprint,
             "max_model_len": 64, "served_model_names": ["fake-model", "default"],
         }

@@ -1,0 +1,154 @@
+"""`--kv-events-format llm-d`: kvmesh's KV event stream as llm-d's precise prefix-cache indexer reads it.
+
+Real: the publisher (its ZeroMQ PUB socket on loopback) and `kvmesh serve`'s argument handling.
+The reader is tests/support/llmd_kv.py, written from llm-d's Go code and sharing nothing with
+kvmesh's wire module; it subscribes with llm-d's topic filter (``kv@``) on a plain SUB socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pytest
+import zmq
+
+from kvmesh.engine.kv.event_publisher import KVEventPublisher
+from kvmesh.engine.kv.event_wire import LLMD_FORMAT, TopicError, TopicScheme, llmd_topic
+from kvmesh.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
+from kvmesh.engine.server.cli import ServeArgsError, add_serve_arguments, settings_from_args
+from kvmesh.engine.util.localproc import free_port_pair
+
+from tests.support.llmd_kv import TOPIC_FILTER, LlmdIndex, parse_frames
+
+BS = 4
+POD = "10.244.0.7"
+MODEL = "tiny-llama"
+
+
+def _tokens(start: int, blocks: int) -> list[int]:
+    return [start + i for i in range(blocks * BS)]
+
+
+def _h(i: int) -> bytes:
+    return i.to_bytes(32, "big")  # distinct in the last 8 bytes, which llm-d keys on
+
+
+class Reader:
+    """A SUB socket with llm-d's filter; ``sync`` waits until the subscription is live."""
+
+    def __init__(self, pub: KVEventPublisher) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC_FILTER)
+        self.sub.connect(pub.endpoint)
+        self.frames: list[list[bytes]] = []
+
+    def sync(self, log: KVEventLog) -> None:
+        """PUB drops what it sends before a subscription arrives: send cleared events (llm-d ignores
+        them) until one comes through."""
+        deadline = time.monotonic() + 10
+        while not self.sub.poll(50):
+            assert time.monotonic() < deadline, "subscription never became live"
+            log.publish(AllBlocksCleared("cpu"))
+        self.drain()
+        self.frames.clear()
+
+    def drain(self, quiet_ms: int = 300) -> list[list[bytes]]:
+        while self.sub.poll(quiet_ms):
+            self.frames.append(self.sub.recv_multipart())
+        return self.frames
+
+    def close(self) -> None:
+        self.sub.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def stream(request):
+    token_ids = getattr(request, "param", True)
+    log = KVEventLog("engine-a", capacity=1000)
+    pub = KVEventPublisher("127.0.0.1", free_port_pair(), token_ids=token_ids,
+                           scheme=TopicScheme(LLMD_FORMAT, POD))
+    pub.start(log, model=MODEL)
+    reader = Reader(pub)
+    try:
+        reader.sync(log)
+        yield log, pub, reader
+    finally:
+        reader.close()
+        pub.close()
+
+
+def test_llmd_indexer_places_the_cached_prefix_on_the_pod(stream):
+    log, pub, reader = stream
+    assert pub.topic == f"kv@{POD}@{MODEL}".encode()
+    a = _tokens(100, 3)
+    b = _tokens(500, 2)
+    # A chain of 3 blocks from the root, then 2 more that continue it (their parent is a's last).
+    log.publish(BlockStored([_h(1), _h(2), _h(3)], None, a, BS))
+    log.publish(BlockStored([_h(4), _h(5)], _h(3), b, BS))
+    index = LlmdIndex(BS)
+    msgs = [parse_frames(f) for f in reader.drain()]
+    assert [(m.pod, m.model) for m in msgs] == [(POD, MODEL)] * 2
+    assert [m.seq for m in msgs] == sorted(m.seq for m in msgs) and msgs[1].seq == msgs[0].seq + 1
+    for m in msgs:
+        index.digest(m)
+    assert index.dropped == []
+    assert index.longest_prefix(a + b + [1, 2], MODEL, POD) == 5
+    assert index.longest_prefix(a + b, "another-model", POD) == 0  # keys are per model
+    assert index.longest_prefix(a + b, MODEL, "10.244.0.8") == 0
+
+    # Evicting the 4th block cuts the prefix there; clearing another tier changes nothing.
+    log.publish(BlockRemoved([_h(4)]))
+    log.publish(AllBlocksCleared("cpu"))
+    for f in reader.drain()[2:]:
+        index.digest(parse_frames(f))
+    assert index.dropped == []
+    assert index.longest_prefix(a + b, MODEL, POD) == 3
+
+
+@pytest.mark.parametrize("stream", [False], indirect=True)
+def test_without_token_ids_the_indexer_drops_every_block(stream):
+    """Why `--kv-events-format llm-d` refuses to start without `--kv-events-token-ids`."""
+    log, _, reader = stream
+    log.publish(BlockStored([_h(1)], None, _tokens(100, 1), BS))
+    index = LlmdIndex(BS)
+    for f in reader.drain():
+        index.digest(parse_frames(f))
+    assert index.dropped == ["BlockStored: no keys or entries provided for adding to index"]
+
+
+def test_topic_names_are_checked():
+    assert llmd_topic("10.0.0.1", "org/model") == b"kv@10.0.0.1@org/model"
+    assert TopicScheme().topic("e1", "m") == b"kv-events/e1"
+    assert TopicScheme(LLMD_FORMAT).topic("e1", "m") == b"kv@e1@m"  # no pod: the engine id
+    for pod, model in (("a@b", "m"), ("p", "m@1"), ("p", "")):
+        with pytest.raises(TopicError, match="kv@<pod>@<model>"):
+            TopicScheme(LLMD_FORMAT, pod).topic("e1", model)
+    with pytest.raises(TopicError, match="unknown KV event format"):
+        TopicScheme("vllm")
+
+
+def _settings(*argv: str):
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return settings_from_args(p.parse_args(list(argv)))
+
+
+def test_serve_flags(monkeypatch):
+    monkeypatch.delenv("POD_IP", raising=False)
+    on = ("--kv-events-port", "5557", "--kv-events-format", "llm-d")
+    s = _settings(*on, "--kv-events-token-ids", "--kv-events-pod", "pod-1")
+    assert (s.kv_events_format, s.kv_events_pod, s.kv_events_token_ids) == ("llm-d", "pod-1", True)
+    monkeypatch.setenv("POD_IP", "10.1.2.3")
+    assert _settings(*on, "--kv-events-token-ids").kv_events_pod == "10.1.2.3"
+    assert _settings("--kv-events-port", "5557").kv_events_format == "kvmesh"
+    for argv, complaint in (
+            (on, "needs --kv-events-token-ids"),
+            (("--kv-events-format", "llm-d", "--kv-events-token-ids"), "needs --kv-events-port"),
+            ((*on, "--kv-events-token-ids", "--kv-events-pod", "a@b"), "contains @"),
+            ((*on, "--kv-events-token-ids", "--served-model-name", "m@2"), "contains @"),
+            (("--kv-events-port", "5557", "--kv-events-pod", "p"), "add --kv-events-format llm-d")):
+        with pytest.raises(ServeArgsError, match=complaint):
+            _settings(*argv)
