@@ -152,3 +152,55 @@ def test_serve_flags(monkeypatch):
             (("--kv-events-port", "5557", "--kv-events-pod", "p"), "add --kv-events-format llm-d")):
         with pytest.raises(ServeArgsError, match=complaint):
             _settings(*argv)
+
+
+@pytest.mark.slow  # a real server process: about 15 s
+def test_a_real_engine_stream_indexes_every_prompt_block(tmp_path):
+    """`kvmesh serve --kv-events-format llm-d` (tiny random Llama, real engine in its own process):
+    after some requests, the llm-d reader places each prompt's full blocks on the pod, and
+    /kv/info names the topic it publishes under."""
+    import httpx
+
+    from tests.support.processes import ServerProcess
+    from tests.support.tiny_models import make_tiny_hf_model
+
+    model = make_tiny_hf_model("llama", tmp_path / "model")
+    port = free_port_pair()
+    proc = ServerProcess("--model", str(model), "--served-model-name", MODEL, "--dtype", "float32",
+                         "--block-size", str(BS), "--num-kv-blocks", "64", "--max-model-len", "96",
+                         "--kv-events-port", str(port), "--kv-events-format", "llm-d", "--kv-events-token-ids",
+                         "--kv-events-pod", POD)
+    proc.start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        info = httpx.get(proc.url("/kv/info")).json()
+        assert info["kv_events"]["topic"] == f"kv@{POD}@{MODEL}" and info["kv_events"]["format"] == "llm-d"
+        assert info["block_size"] == BS
+        sub.setsockopt(zmq.SUBSCRIBE, TOPIC_FILTER)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        time.sleep(0.5)  # the subscription reaches the PUB socket (nothing was published yet)
+        prompts = [[(7 * i + 3 * j) % 900 + 20 for j in range(4 * BS + i)] for i in range(3)]
+        shared = prompts[0][:2 * BS]
+        prompts.append(shared + [5, 6, 7, 8, 9, 10, 11, 12, 13])  # shares 2 blocks with prompts[0]
+        with httpx.Client(base_url=proc.base_url, timeout=60) as client:
+            for p in prompts:
+                r = client.post("/v1/completions", json={"prompt": p, "max_tokens": 2, "temperature": 0,
+                                                         "ignore_eos": True})
+                assert r.status_code == 200, r.text
+        index = LlmdIndex(BS)
+        seqs = []
+        while sub.poll(1000):
+            msg = parse_frames(sub.recv_multipart())
+            assert (msg.pod, msg.model) == (POD, MODEL)
+            seqs.append(msg.seq)
+            index.digest(msg)
+        assert seqs and seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # nothing lost
+        assert index.dropped == []
+        for p in prompts:
+            assert index.longest_prefix(p, MODEL, POD) == len(p) // BS, p
+        assert index.longest_prefix([1, 2, 3, 4] + prompts[0], MODEL, POD) == 0
+    finally:
+        sub.close(0)
+        ctx.term()
+        proc.stop()
