@@ -7,9 +7,11 @@ engines (Dynamo's ZMQ relay, llm-d's precise prefix-cache scorer) can read kvmes
 
       [topic, seq as 8-byte big-endian unsigned, msgpack(KVEventBatch)]
 
-  ``KVEventBatch`` is the array ``[ts, [event, ...]]``; each event is a tagged array
-  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
-  ``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]``. ``medium`` is the
+  ``KVEventBatch`` is the array ``[ts, [event, ...], data_parallel_rank]``; each event is a tagged
+  array ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+  lora_name]``, ``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]``. Every
+  field is sent, nil where kvmesh has no value (``data_parallel_rank``, ``lora_id``,
+  ``lora_name``): llm-d's decoder refuses an array whose length is not its struct's. ``medium`` is the
   tier (``gpu``, ``cpu``, ``remote``). kvmesh sends one record per message, so the message
   ``seq`` is the record's ``KVEventLog`` sequence number and a gap in ``seq`` is a lost record.
   The topic is ``kv-events/<engine id>``: a subscriber that subscribes to the prefix
@@ -114,9 +116,13 @@ class WireFormatError(ValueError):
     """A message does not follow the KV event layout (the text says which part)."""
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class EventBatch(msgspec.Struct, array_like=True, gc=False):
+    """Every field is sent, ``data_parallel_rank`` too (nil: kvmesh has none): strict decoders
+    (llm-d's Go msgpack) refuse an array whose length differs from their struct's."""
+
     ts: float
     events: list[Any]
+    data_parallel_rank: int | None = None
 
 
 class WireEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -124,12 +130,15 @@ class WireEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, t
 
 
 class WireBlockStored(WireEvent, tag="BlockStored"):
+    """All of vLLM's fields, ``lora_name`` included (nil), for the same strict decoders."""
+
     block_hashes: list[bytes | int]
     parent_block_hash: bytes | int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None = None
 
 
 class WireBlockRemoved(WireEvent, tag="BlockRemoved"):
@@ -139,8 +148,14 @@ class WireBlockRemoved(WireEvent, tag="BlockRemoved"):
 
 class WireAllBlocksCleared(WireEvent, tag="AllBlocksCleared"):
     medium: str | None = None
-    """Not in vLLM's record: None (sent as nil) means gpu. Decoders of vLLM's field-less record
-    ignore the extra trailing element, as msgspec's array-like structs do."""
+    """Not in vLLM's record: absent or nil means gpu. A clear of another tier carries it; decoders
+    of vLLM's record that tolerate a trailing element (msgspec's array-like structs) read it as a
+    clear, strict ones (llm-d's) skip it, as llm-d does with every clear anyway."""
+
+
+class WireGpuBlocksCleared(WireEvent, tag="AllBlocksCleared"):
+    """A gpu clear exactly as vLLM sends it: no fields. Encoding only (``WireAllBlocksCleared``
+    decodes it)."""
 
 
 class KVEventBatch(EventBatch):
@@ -160,7 +175,7 @@ def from_internal(event: KVEvent, token_ids: bool = True) -> WireEvent:
     if isinstance(event, BlockRemoved):
         return WireBlockRemoved(list(event.block_hashes), event.tier)
     if isinstance(event, AllBlocksCleared):
-        return WireAllBlocksCleared(None if event.tier == "gpu" else event.tier)
+        return WireGpuBlocksCleared() if event.tier == "gpu" else WireAllBlocksCleared(event.tier)
     raise TypeError(f"not a KV event: {event!r}")
 
 
@@ -186,6 +201,8 @@ def to_internal(event: WireEvent) -> KVEvent:
         return BlockRemoved([_hash(h) for h in event.block_hashes], _tier(event.medium))
     if isinstance(event, WireAllBlocksCleared):
         return AllBlocksCleared(_tier(event.medium))
+    if isinstance(event, WireGpuBlocksCleared):
+        return AllBlocksCleared()
     raise TypeError(f"not a wire KV event: {event!r}")
 
 

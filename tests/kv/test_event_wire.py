@@ -34,6 +34,7 @@ class Stored(msgspec.Struct, array_like=True, tag="BlockStored"):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
 
 
 class Removed(msgspec.Struct, array_like=True, tag="BlockRemoved"):
@@ -48,6 +49,7 @@ class Cleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
 class Batch(msgspec.Struct, array_like=True):
     ts: float
     events: list[Stored | Removed | Cleared]
+    data_parallel_rank: int | None
 
 
 @pytest.mark.parametrize("event", EVENTS, ids=lambda e: f"{type(e).__name__}-{e.tier}")
@@ -66,7 +68,7 @@ def test_independent_structs_decode_what_kvmesh_sends(event):
     assert batch.ts == 5.0 and len(batch.events) == 1
     got = batch.events[0]
     if isinstance(event, BlockStored):
-        assert got == Stored(event.block_hashes, event.parent_hash, event.token_ids, 4, None, event.tier)
+        assert got == Stored(event.block_hashes, event.parent_hash, event.token_ids, 4, None, event.tier, None)
     elif isinstance(event, BlockRemoved):
         assert got == Removed(event.block_hashes, event.tier)
     else:
@@ -74,20 +76,29 @@ def test_independent_structs_decode_what_kvmesh_sends(event):
 
 
 def test_the_raw_layout_is_tagged_arrays():
+    """Every field vLLM sends is there (nil where kvmesh has no value): strict decoders such as
+    llm-d's refuse arrays of another length."""
     _, payload = w.encode_record(KVEventRecord(1, "e", 2.0, EVENTS[1]))
-    assert msgspec.msgpack.decode(payload) == [2.0, [["BlockStored", [H[2]], H[1], [7, 8, 9, 10], 4, None, "cpu"]]]
+    assert msgspec.msgpack.decode(payload) == [
+        2.0, [["BlockStored", [H[2]], H[1], [7, 8, 9, 10], 4, None, "cpu", None]], None]
     _, payload = w.encode_record(KVEventRecord(2, "e", 2.0, AllBlocksCleared()))
-    assert msgspec.msgpack.decode(payload) == [2.0, [["AllBlocksCleared", None]]]  # nil medium: gpu
+    assert msgspec.msgpack.decode(payload) == [2.0, [["AllBlocksCleared"]], None]  # vLLM's record: gpu
+    _, payload = w.encode_record(KVEventRecord(3, "e", 2.0, AllBlocksCleared("cpu")))
+    assert msgspec.msgpack.decode(payload) == [2.0, [["AllBlocksCleared", "cpu"]], None]
 
 
 def test_kvmesh_decodes_what_a_vllm_publisher_sends():
-    # vLLM engines may send 64-bit int hashes, several events per batch, and no medium.
-    payload = msgspec.msgpack.encode(Batch(1.0, [Stored([7, -3], None, list(range(8)), 4, None, None),
-                                                 Removed([7], "GPU"), Cleared()]))
-    events = [w.to_internal(e) for e in w.decode_payload(payload).events]
+    # vLLM engines may send 64-bit int hashes, several events per batch, and no medium; older ones
+    # send neither data_parallel_rank nor lora_name.
     seven, minus3 = (7).to_bytes(32, "big"), (-3).to_bytes(32, "big", signed=True)
-    assert events == [BlockStored([seven, minus3], None, list(range(8)), 4, "gpu"),
-                      BlockRemoved([seven], "gpu"), AllBlocksCleared("gpu")]
+    want = [BlockStored([seven, minus3], None, list(range(8)), 4, "gpu"), BlockRemoved([seven], "gpu"),
+            AllBlocksCleared("gpu")]
+    for payload in (
+            msgspec.msgpack.encode(Batch(1.0, [Stored([7, -3], None, list(range(8)), 4, None, None, None),
+                                               Removed([7], "GPU"), Cleared()], 0)),
+            msgspec.msgpack.encode([1.0, [["BlockStored", [7, -3], None, list(range(8)), 4, None, None],
+                                          ["BlockRemoved", [7], "GPU"], ["AllBlocksCleared"]]])):
+        assert [w.to_internal(e) for e in w.decode_payload(payload).events] == want
 
 
 def test_malformed_input_is_a_wire_format_error():

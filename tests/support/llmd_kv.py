@@ -119,15 +119,18 @@ def _uint32s(raw: Any) -> list[int]:
     return raw
 
 
+# Fields after the tag. llm-d's msgpack library (vmihailenco/msgpack v5) decodes an array into a
+# struct only when the lengths are equal ("number of fields in array-encoded struct has changed").
+FIELDS = {"BlockStored": 7, "BlockRemoved": 2, "AllBlocksCleared": 0}
+
+
 def decode_events(payload: bytes) -> list[list[Any]]:
-    """EventBatch ``[ts, [event, ...], dp_rank?]``; each event a tagged array."""
+    """EventBatch ``[ts, [event, ...], data_parallel_rank]`` (exactly three elements); each event
+    a tagged array. A batch that does not decode is dropped whole."""
     batch = msgspec.msgpack.decode(payload)
-    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[0], float) \
-            or not isinstance(batch[1], list):
-        raise LlmdDecodeError(f"not an EventBatch [ts, events]: {batch!r:.80}")
-    for ev in batch[1]:
-        if not isinstance(ev, list) or not ev or ev[0] not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
-            raise LlmdDecodeError(f"unknown event {ev!r:.80}")
+    if not isinstance(batch, list) or len(batch) != 3 or not isinstance(batch[0], float) \
+            or not isinstance(batch[1], list) or not (batch[2] is None or isinstance(batch[2], int)):
+        raise LlmdDecodeError(f"not an EventBatch [ts, events, data_parallel_rank]: {batch!r:.80}")
     return batch[1]
 
 
@@ -146,14 +149,19 @@ class LlmdIndex:
             try:
                 self._apply(msg, ev)
             except LlmdDecodeError as e:
-                self.dropped.append(f"{ev[0]}: {e}")
+                tag = ev[0] if isinstance(ev, list) and ev else repr(ev)
+                self.dropped.append(f"{tag}: {e}")
 
-    def _apply(self, msg: Message, ev: list[Any]) -> None:
+    def _apply(self, msg: Message, ev: Any) -> None:
+        if not isinstance(ev, list) or not ev or ev[0] not in FIELDS:
+            raise LlmdDecodeError(f"unknown event tag in {ev!r:.80}")
         tag, fields = ev[0], ev[1:]
+        if len(fields) != FIELDS[tag]:
+            raise LlmdDecodeError("number of fields in array-encoded struct has changed")
         if tag == "AllBlocksCleared":
             return  # pool.go ignores it
         if tag == "BlockRemoved":
-            hashes, medium = fields[0], (fields[1] if len(fields) > 1 else None)
+            hashes, medium = fields
             entry = (msg.pod, (medium or DEFAULT_TIER).lower())
             for raw in hashes:
                 key = self.engine_to_request.get(_hash_u64(raw))
@@ -165,12 +173,7 @@ class LlmdIndex:
                     self.pods.pop(key, None)
                     self.engine_to_request.pop(_hash_u64(raw), None)
             return
-        # BlockStored: [hashes, parent, token_ids, block_size, lora_id?, medium?, lora_name?]
-        if len(fields) < 4:
-            raise LlmdDecodeError(f"BlockStored has {len(fields)} fields")
-        hashes, parent, tokens, size = fields[:4]
-        medium = fields[5] if len(fields) > 5 else None
-        lora_name = fields[6] if len(fields) > 6 else None
+        hashes, parent, tokens, size, _lora_id, medium, lora_name = fields
         if not isinstance(size, int):
             raise LlmdDecodeError(f"BlockSize {size!r}")
         engine_keys = [_hash_u64(h) for h in hashes]

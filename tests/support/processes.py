@@ -25,16 +25,19 @@ KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 class ServerProcess:
     """`python -m kvmesh.engine.server` with the given flags, logging to a file."""
 
-    def __init__(self, *flags: str) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, *flags: str, host: str = "127.0.0.1", port: int | None = None) -> None:
+        """``host``: another loopback address (127.0.0.2, ...) lets several servers share a port,
+        as pods with their own addresses do."""
+        self.host = host
+        self.port = port or free_port()
+        self.base_url = f"http://{host}:{self.port}"
         self.dir = Path(tempfile.mkdtemp(prefix="kvmesh-serve-"))
         self.log_path = self.dir / "server.log"
         self.flags = list(flags)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "ServerProcess":
-        cmd = [sys.executable, "-m", "kvmesh.engine.server", "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "kvmesh.engine.server", "--host", self.host, "--port", str(self.port),
                *self.flags]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
