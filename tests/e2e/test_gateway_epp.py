@@ -16,7 +16,6 @@ import httpx
 import pytest
 
 from kvmesh.engine.util.localproc import free_port
-from kvmesh.engine.util.metrics import sample_value
 
 from tests.support.envoy_gateway import EnvoyGateway
 from tests.support.processes import ServerProcess
@@ -56,6 +55,12 @@ def _finished(engine: ServerProcess) -> float:
     return engine.metric("kvmesh_requests_finished_total", finish_reason="length") or 0.0
 
 
+def _pool_value(samples: dict, metric: str) -> float | None:
+    """The EPP's per-pool gauge (its label is ``name``, which sample_value's own argument shadows)."""
+    hits = [v for (n, labels), v in samples.items() if n == metric and ("name", POOL) in labels]
+    return hits[0] if len(hits) == 1 else None
+
+
 def _tokens(answer: dict) -> list[str]:
     return [t["token"] for t in answer["choices"][0]["logprobs"]["content"]]
 
@@ -82,10 +87,10 @@ def test_envoy_and_the_upstream_epp_route_chat_to_kvmesh_engines(cluster, namesp
         # The picker scraped both engines' model-server metrics: it counts a pod ready only while
         # its metrics are fresh (flushed to its own /metrics every 5 s).
         wait_until("the EPP to report both kvmesh pods scraped",
-                   lambda: sample_value(epp.metrics(), "inference_pool_ready_pods", name=POOL) == 2,
+                   lambda: _pool_value(epp.metrics(), "inference_pool_ready_pods") == 2,
                    timeout=90, every=1)
         pool_metrics = epp.metrics()
-        assert sample_value(pool_metrics, "inference_pool_average_kv_cache_utilization", name=POOL) is not None
+        assert _pool_value(pool_metrics, "inference_pool_average_kv_cache_utilization") is not None
 
         envoy = EnvoyGateway(epp.grpc_port).start()
         before = [_finished(e) for e in engines]
@@ -94,13 +99,19 @@ def test_envoy_and_the_upstream_epp_route_chat_to_kvmesh_engines(cluster, namesp
         served = [i for i in range(len(engines)) if after[i] == before[i] + 1]
         assert len(served) == 1 and sum(after) == sum(before) + 1, (before, after)
 
-        direct = _chat(engines[served[0]].base_url)
-        assert _tokens(through) == _tokens(direct) and len(_tokens(direct)) == 12
-        assert through["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
-        assert through["usage"] == direct["usage"]
-        # The other engine would have given the same answer (same weights, fp32, greedy).
-        other = _chat(engines[1 - served[0]].base_url)
-        assert _tokens(other) == _tokens(direct)
+        # The same prompt again: the picker's prefix scorer sends it to the engine that cached it.
+        again = _chat(envoy.base_url)
+        assert _finished(engines[served[0]]) == after[served[0]] + 1, "the repeat went to the other engine"
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert _tokens(again) == _tokens(through)
+
+        # Exactly what the engine answers directly (and the other engine too: same weights, fp32,
+        # greedy), with the same prompt and completion token counts.
+        for direct in (_chat(engines[served[0]].base_url), _chat(engines[1 - served[0]].base_url)):
+            assert _tokens(through) == _tokens(direct) and len(_tokens(direct)) == 12
+            assert through["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+            assert {k: through["usage"][k] for k in ("prompt_tokens", "completion_tokens")} == \
+                {k: direct["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
     except BaseException:
         for what, tail in (("EPP", epp.tail() if epp else ""), ("envoy", envoy.log_tail() if envoy else ""),
                            *((f"engine {e.host}", e.log_tail()) for e in engines)):
