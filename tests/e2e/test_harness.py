@@ -76,7 +76,7 @@ def test_env_lines(tmp_path):
                                    "export PATH=/c/helm:/c/kwok:$PATH"]
 
 
-@pytest.mark.parametrize("component", ["kubernetes", "etcd", "kwok", "helm", "kubelet"])
+@pytest.mark.parametrize("component", ["kubernetes", "etcd", "kwok", "helm", "kubelet", "epp"])
 def test_binaries_are_cached_outside_the_repo_by_version(component, tmp_path):
     out = subprocess.run([str(ROOT / "e2e" / "build-binaries"), "--print-dirs", component],
                          capture_output=True, text=True, check=True,
@@ -85,7 +85,7 @@ def test_binaries_are_cached_outside_the_repo_by_version(component, tmp_path):
     versions = dict(line.split("=", 1) for line in (ROOT / "e2e" / "versions.env").read_text()
                     .splitlines() if line and not line.startswith("#"))
     key = {"kubernetes": "KUBERNETES_VERSION", "etcd": "ETCD_VERSION", "kwok": "KWOK_VERSION",
-           "helm": "HELM_VERSION", "kubelet": "KUBERNETES_VERSION"}[component]
+           "helm": "HELM_VERSION", "kubelet": "KUBERNETES_VERSION", "epp": "GIE_VERSION"}[component]
     assert name == component and path == f"{tmp_path}/{component}/{versions[key]}"
 
 
