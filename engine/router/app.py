@@ -32,7 +32,7 @@ from kvmesh.engine.router.discovery import Fleet, ServiceSource, SubscriberFacto
 from kvmesh.engine.router.dispatch import Dispatcher
 from kvmesh.engine.router.metrics import PDMetrics, RouterMetrics
 from kvmesh.engine.router.policies import LoadModel, build_policy, uses_prefix
-from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, analyze, with_cache_salt
+from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, PromptInfo, analyze, with_cache_salt
 from kvmesh.engine.api.tokenize import DETOKENIZE, TOKENIZE
 from kvmesh.engine.api.tokenize import answer as tokenize_answer
 from kvmesh.engine.router.proxy import all_engines_down, internal_auth
@@ -344,12 +344,13 @@ class RouterApp:
                 task.cancel()  # closes the upstream connection: the engine aborts the request
                 return
 
-    async def _serve(self, scope: dict[str, Any], body: bytes, send: proxy.Send, path: str) -> None:
-        assert self.fleet is not None and self.session is not None
-        t0 = time.perf_counter()
+    async def prepare(self, path: str, body: bytes, authorization: bytes | str | None) -> tuple[bytes, PromptInfo]:
+        """(the body to send upstream, its routing view): with ``--isolate-tenants`` the tenant's
+        cache salt goes into the body first, so the hash chain is the tenant's; the prompt is
+        tokenized and hashed as the engines do. Shared by the proxy and the ext_proc picker, so
+        both pick from the same prompt view."""
         auth = self.settings.auth
         if auth.isolate_tenants:  # before hashing: the router's index sees the tenant's chain
-            authorization = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), None)
             body = with_cache_salt(body, lambda own: auth.cache_salt(authorization, own))
         if self.tokenizer is not None and len(body) > OFFLOAD_BODY_BYTES:
             # Long prompts take milliseconds to tokenize; the Rust tokenizer releases the GIL, so a
@@ -358,6 +359,13 @@ class RouterApp:
                                                                     self.tokenizer)
         else:
             info = analyze(path, body, self.tokenizer)
+        return body, info
+
+    async def _serve(self, scope: dict[str, Any], body: bytes, send: proxy.Send, path: str) -> None:
+        assert self.fleet is not None and self.session is not None
+        t0 = time.perf_counter()
+        authorization = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), None)
+        body, info = await self.prepare(path, body, authorization)
         headers = proxy.forward_headers(scope["headers"])
         session = session_key(headers, info.user) if self.settings.policy == "session" else None
         clock = ClientClock(t0)  # end-to-end TTFT/TPOT, whichever path answers (engine/router/slo.py)

@@ -138,6 +138,11 @@ def all_engines_down(tried: list[str]) -> APIError:
                     "service_unavailable", "no_engine_available", None, {"Retry-After": "1"})
 
 
+def shedding() -> APIError:
+    return APIError("every engine is at its request limit (--shed-above-running); retry shortly.", 429,
+                    "rate_limit_exceeded", "engines_saturated", None, {"Retry-After": "1"})
+
+
 def sse_error(err: APIError) -> bytes:
     return b"data: " + _encode(err.body()) + b"\n\n" + SSE_DONE
 
