@@ -75,6 +75,9 @@ class RouterSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     auth: Credentials = field(default_factory=Credentials)
     """Client keys the router checks, and the internal token it sends every engine (api/auth.py)."""
+    ext_proc_port: int | None = None
+    """Also serve the pick to Envoy over ext_proc on this port (engine/router/extproc.py; 0: any free one)."""
+    ext_proc_host: str = "127.0.0.1"
 
     @property
     def disaggregated(self) -> bool:
@@ -111,6 +114,7 @@ class RouterApp:
                            lambda: self.two_stage.queued if self.two_stage else 0, STAGE1_OUTCOMES, FALLBACK_REASONS)
             self.two_stage = TwoStageRouter(self.dispatch, pd)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="router-tokenize")
+        self.ext_proc: Any = None  # the ExtProcServer while serving (its port: ext_proc.port)
 
     # The pools and the HTTP session live on the dispatcher (set at startup); read here.
     @property
@@ -210,6 +214,11 @@ class RouterApp:
         if self.settings.disaggregated:
             d.prefill_fleet = self._prefill_fleet_factory(d.session)
         await asyncio.gather(*(f.start() for f in self._fleets()))
+        if self.settings.ext_proc_port is not None:
+            from kvmesh.engine.router.extproc import ExtProcServer  # grpc only when serving it
+
+            self.ext_proc = ExtProcServer(self, self.settings.ext_proc_host, self.settings.ext_proc_port)
+            await self.ext_proc.start()
         if self.tokenizer is not None:
             self._use_tokenizer(self.tokenizer)
         elif self.needs_tokenizer:
@@ -221,6 +230,8 @@ class RouterApp:
                         self.settings.sync_timeout_s)
 
     async def shutdown(self) -> None:
+        if self.ext_proc is not None:
+            await self.ext_proc.stop()
         if self._tokenizer_task is not None:
             self._tokenizer_task.cancel()
         for f in self._fleets():

@@ -1,0 +1,126 @@
+"""Static Envoy configs that put kvmesh's picker (``kvmesh router --ext-proc-port``) in front of
+engines, wired as the Gateway API Inference Extension's reference gateway wires an endpoint picker.
+
+Pure functions returning the config as a dict (``yaml.safe_dump`` it for ``envoy -c``); the tests,
+bench/gateway.py and docs/gateway.md all use these, so what is tested is what is documented.
+
+The gateway: an ``envoy.filters.http.ext_proc`` filter calling the picker over gRPC (HTTP/2
+cluster), then a route that sends a request carrying ``x-gateway-destination-endpoint`` to an
+``ORIGINAL_DST`` cluster that connects to the ``IP:PORT`` in that header. Every response carries
+``x-gateway-destination-endpoint-served`` (the upstream Envoy actually used), which the picker reads
+to move its load accounting when Envoy connected elsewhere. Body modes:
+
+- ``FULL_DUPLEX_STREAMED`` (the reference gateway's): request and response bodies stream through
+  the picker, request trailers sent; the picker answers the headers once the body is whole;
+- ``BUFFERED``: Envoy buffers the request body and sends it whole; responses stream (``STREAMED``).
+
+Fail-closed by default: with the picker down Envoy answers 500 at once. ``failure_mode_allow``
+lets requests through without a pick; they then need ``fallback`` endpoints (a route for requests
+without the destination header), else the ORIGINAL_DST cluster has nowhere to send them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvmesh.engine.router.epp import DESTINATION, SERVED, SUBSET_NAMESPACE
+
+BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
+PICKED_CLUSTER = "kvmesh_picked"
+PICKER_CLUSTER = "kvmesh_picker"
+FALLBACK_CLUSTER = "kvmesh_fallback"
+DIRECT_CLUSTER = "kvmesh_engine"
+_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_ROUTER = {"name": "envoy.filters.http.router",
+           "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
+
+
+def _split(hostport: str) -> tuple[str, int]:
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{hostport!r}: expected HOST:PORT, e.g. 127.0.0.1:8001")
+    return host.strip("[]"), int(port)
+
+
+def _address(hostport: str) -> dict[str, Any]:
+    host, port = _split(hostport)
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _static_cluster(name: str, endpoints: Sequence[str], http2: bool = False) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": name, "type": "STATIC", "connect_timeout": "1s", "lb_policy": "ROUND_ROBIN",
+        "load_assignment": {"cluster_name": name, "endpoints": [
+            {"lb_endpoints": [{"endpoint": {"address": _address(e)}} for e in endpoints]}]}}
+    if http2:
+        cluster["typed_extension_protocol_options"] = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}}}}
+    return cluster
+
+
+def _listener(listen: str, routes: list[dict[str, Any]], http_filters: list[dict[str, Any]],
+              response_headers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    vhost: dict[str, Any] = {"name": "all", "domains": ["*"], "routes": routes}
+    if response_headers:
+        vhost["response_headers_to_add"] = response_headers
+    return {"name": "gateway", "address": _address(listen), "filter_chains": [{"filters": [{
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {"@type": _HCM, "stat_prefix": "gateway", "route_config": {"name": "gateway",
+                         "virtual_hosts": [vhost]}, "http_filters": http_filters}}]}]}
+
+
+def _route(cluster: str, header_present: str | None = None) -> dict[str, Any]:
+    match: dict[str, Any] = {"prefix": "/"}
+    if header_present:
+        match["headers"] = [{"name": header_present, "present_match": True}]
+    # timeout 0: a generation may stream for minutes; the engines bound their own work.
+    return {"match": match, "route": {"cluster": cluster, "timeout": "0s"}}
+
+
+def gateway_config(listen: str, picker: str, body_mode: str = "FULL_DUPLEX_STREAMED", *,
+                   failure_mode_allow: bool = False, fallback: Sequence[str] = (),
+                   message_timeout_s: float = 10.0, admin: str | None = None) -> dict[str, Any]:
+    """Envoy listening on ``listen`` (HOST:PORT), asking the picker at ``picker`` (HOST:PORT) where
+    each request goes. ``message_timeout_s`` bounds each picker answer (the pick of a long prompt
+    waits for its tokenization; Envoy's default of 200 ms is too short for megabyte prompts)."""
+    if body_mode not in BODY_MODES:
+        raise ValueError(f"body_mode {body_mode!r}: use one of {', '.join(BODY_MODES)}")
+    if failure_mode_allow and not fallback:
+        raise ValueError("failure_mode_allow needs fallback endpoints: a request the picker did not route "
+                         "carries no destination header, and the ORIGINAL_DST cluster has nowhere to send it")
+    duplex = body_mode == "FULL_DUPLEX_STREAMED"
+    mode = {"request_header_mode": "SEND", "response_header_mode": "SEND", "request_body_mode": body_mode,
+            "response_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "STREAMED",
+            "request_trailer_mode": "SEND" if duplex else "SKIP",
+            "response_trailer_mode": "SEND" if duplex else "SKIP"}
+    ext_proc = {"name": "envoy.filters.http.ext_proc", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
+        "failure_mode_allow": failure_mode_allow, "message_timeout": f"{message_timeout_s:g}s",
+        "processing_mode": mode,
+        "metadata_options": {"forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]}}}}
+    routes = [_route(PICKED_CLUSTER, DESTINATION)] + ([_route(FALLBACK_CLUSTER)] if fallback else [])
+    served = [{"header": {"key": SERVED, "value": "%UPSTREAM_REMOTE_ADDRESS%"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    clusters = [_static_cluster(PICKER_CLUSTER, [picker], http2=True), {
+        "name": PICKED_CLUSTER, "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "2s",
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION}}]
+    if fallback:
+        clusters.append(_static_cluster(FALLBACK_CLUSTER, fallback))
+    config: dict[str, Any] = {"static_resources": {
+        "listeners": [_listener(listen, routes, [ext_proc, _ROUTER], served)], "clusters": clusters}}
+    if admin:
+        config["admin"] = {"address": _address(admin)}
+    return config
+
+
+def direct_config(listen: str, engine: str, admin: str | None = None) -> dict[str, Any]:
+    """Envoy listening on ``listen`` straight to one engine (HOST:PORT): the baseline that the
+    picker's added latency is measured against."""
+    config: dict[str, Any] = {"static_resources": {
+        "listeners": [_listener(listen, [_route(DIRECT_CLUSTER)], [_ROUTER])],
+        "clusters": [_static_cluster(DIRECT_CLUSTER, [engine])]}}
+    if admin:
+        config["admin"] = {"address": _address(admin)}
+    return config
