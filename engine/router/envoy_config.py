@@ -16,7 +16,11 @@ to move its load accounting when Envoy connected elsewhere. Body modes:
 
 Fail-closed by default: with the picker down Envoy answers 500 at once. ``failure_mode_allow``
 lets requests through without a pick; they then need ``fallback`` endpoints (a route for requests
-without the destination header), else the ORIGINAL_DST cluster has nowhere to send them.
+without the destination header), else the ORIGINAL_DST cluster has nowhere to send them. It takes
+``BUFFERED`` mode: in ``FULL_DUPLEX_STREAMED`` Envoy 1.40 answers 500 when the picker fails after
+the body started streaming to it (the body is then the picker's), whatever ``failure_mode_allow``
+says, so a full-duplex gateway fails open only when the failure comes first (seen in
+tests/router/test_extproc_envoy.py).
 """
 
 from __future__ import annotations
@@ -79,6 +83,10 @@ def _route(cluster: str, header_present: str | None = None) -> dict[str, Any]:
     return {"match": match, "route": {"cluster": cluster, "timeout": "0s"}}
 
 
+def duplex_mode(body_mode: str) -> bool:
+    return body_mode == "FULL_DUPLEX_STREAMED"
+
+
 def gateway_config(listen: str, picker: str, body_mode: str = "FULL_DUPLEX_STREAMED", *,
                    failure_mode_allow: bool = False, fallback: Sequence[str] = (),
                    message_timeout_s: float = 10.0, admin: str | None = None) -> dict[str, Any]:
@@ -87,10 +95,14 @@ def gateway_config(listen: str, picker: str, body_mode: str = "FULL_DUPLEX_STREA
     waits for its tokenization; Envoy's default of 200 ms is too short for megabyte prompts)."""
     if body_mode not in BODY_MODES:
         raise ValueError(f"body_mode {body_mode!r}: use one of {', '.join(BODY_MODES)}")
+    if failure_mode_allow and duplex_mode(body_mode):
+        raise ValueError("failure_mode_allow needs request_body_mode BUFFERED: in FULL_DUPLEX_STREAMED Envoy 1.40 "
+                         "answers 500 whenever the picker fails after the body started streaming to it, "
+                         "failure_mode_allow or not, so such a gateway would fail open only by chance")
     if failure_mode_allow and not fallback:
         raise ValueError("failure_mode_allow needs fallback endpoints: a request the picker did not route "
                          "carries no destination header, and the ORIGINAL_DST cluster has nowhere to send it")
-    duplex = body_mode == "FULL_DUPLEX_STREAMED"
+    duplex = duplex_mode(body_mode)
     mode = {"request_header_mode": "SEND", "response_header_mode": "SEND", "request_body_mode": body_mode,
             "response_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "STREAMED",
             "request_trailer_mode": "SEND" if duplex else "SKIP",

