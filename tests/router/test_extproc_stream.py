@@ -299,3 +299,21 @@ def test_fuzz_random_protobuf_bytes(raw):
     except DecodeError:
         return  # gRPC would have refused these bytes before the picker saw them
     _check_stream(make_app(), [headers_msg(POST, mode=epp.BODY_FULL_DUPLEX), msg, body_msg(chat_body("x")), msg])
+
+
+def test_the_router_flags_give_the_picker_port_and_the_shed_limit_and_refuse_nonsense():
+    import pytest
+
+    from kvmesh.cli import build_parser
+    from kvmesh.engine.router.cli import RouterArgsError, settings_from_args
+
+    def parse(*flags: str):
+        return settings_from_args(build_parser().parse_args(["router", "--engines", URLS[0], *flags]))
+
+    s = parse("--ext-proc-port", "9002", "--shed-above-running", "8", "--host", "0.0.0.0")
+    assert (s.ext_proc_port, s.ext_proc_host, s.load.shed_running) == (9002, "0.0.0.0", 8)
+    assert parse().ext_proc_port is None and parse().load.shed_running == 0
+    for flags, words in ((("--ext-proc-port", "70000"), "0-65535"), (("--ext-proc-port", "8000"), "a port each"),
+                         (("--shed-above-running", "-1"), ">= 0")):
+        with pytest.raises(RouterArgsError, match=words):
+            parse(*flags)
