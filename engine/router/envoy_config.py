@@ -136,3 +136,31 @@ def direct_config(listen: str, engine: str, admin: str | None = None) -> dict[st
     if admin:
         config["admin"] = {"address": _address(admin)}
     return config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvmesh.engine.router.envoy_config LISTEN PICKER [--body-mode M]``: print the gateway config."""
+    import argparse
+
+    import yaml
+
+    ap = argparse.ArgumentParser(description="Print a static Envoy config that asks kvmesh's picker where each "
+                                             "request goes (docs/gateway.md).")
+    ap.add_argument("listen", help="HOST:PORT Envoy listens on, e.g. 0.0.0.0:8080")
+    ap.add_argument("picker", help="HOST:PORT of `kvmesh router --ext-proc-port`, e.g. 10.0.0.5:9002")
+    ap.add_argument("--body-mode", choices=BODY_MODES, default=BODY_MODES[0])
+    ap.add_argument("--failure-mode-allow", action="store_true", help="fail open (BUFFERED only; needs --fallback)")
+    ap.add_argument("--fallback", default="", metavar="HOST:PORT,...", help="where requests without a pick go")
+    args = ap.parse_args(argv)
+    fallback = [f for f in args.fallback.split(",") if f]
+    try:
+        config = gateway_config(args.listen, args.picker, args.body_mode, failure_mode_allow=args.failure_mode_allow,
+                                fallback=fallback)
+    except ValueError as e:
+        ap.error(str(e))
+    print(yaml.safe_dump(config, sort_keys=False), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
