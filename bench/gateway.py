@@ -85,6 +85,7 @@ def main() -> int:
             envoys.append(EnvoyProcess(config(f"127.0.0.1:{port}")).start())
             paths[name] = f"http://127.0.0.1:{port}"
         clients = {name: httpx.Client(base_url=url, timeout=30) for name, url in paths.items()}
+        load_before = os.getloadavg()[0]  # other work on the machine widens every path's tail
         times: dict[str, list[float]] = {name: [] for name in paths}
         for i in range(30 + args.requests):
             body = {"model": "null-model", "max_tokens": 1, "messages": [
@@ -98,7 +99,8 @@ def main() -> int:
                 if i >= 30:
                     times[name].append(took * 1e3)
         base = pct(times["envoy_direct"], 50)
-        result = {"cpu": cpu(), "requests_per_path": args.requests, "paths_ms": {
+        result = {"cpu": cpu(), "loadavg_1m_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                  "requests_per_path": args.requests, "paths_ms": {
             name: {"p50": round(pct(xs, 50), 3), "p99": round(pct(xs, 99), 3),
                    "p50_over_envoy_direct": round(pct(xs, 50) - base, 3)} for name, xs in times.items()}}
         print(json.dumps(result, indent=2))
