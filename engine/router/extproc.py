@@ -50,7 +50,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     answers = await stream.handle(req)
                 except Exception as e:  # noqa: BLE001 - a bug must cost one request, never the picker
                     log.exception("ext_proc message handling failed")
-                    answers = [] if stream.refused else stream._refuse(
+                    answers = [] if stream.refused else stream.refuse(
                         errors.internal_error(f"the picker failed on this request ({type(e).__name__})"))
                 for answer in answers:
                     yield answer

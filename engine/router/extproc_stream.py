@@ -30,7 +30,7 @@ from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.router import epp
 from kvmesh.engine.router.dispatch import Lease
 from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, PromptInfo
-from kvmesh.engine.router.proxy import _usage_in_chunk, all_engines_down, cached_tokens_of, shedding
+from kvmesh.engine.router.proxy import usage_in_chunk, all_engines_down, cached_tokens_of, shedding
 from kvmesh.engine.router.sessions import session_key
 from kvmesh.engine.router.slo import token_events
 
@@ -114,12 +114,12 @@ class PickerStream:
             if kind == "response_trailers":
                 self.finish()
                 return [epp.empty("response_trailers")]
-            return self._refuse(errors.invalid_request("empty ext_proc message: it carries no headers, body or "
+            return self.refuse(errors.invalid_request("empty ext_proc message: it carries no headers, body or "
                                                        "trailers"))
         except epp.ProtocolError as e:
-            return self._refuse(errors.invalid_request(str(e)))
+            return self.refuse(errors.invalid_request(str(e)))
         except APIError as e:
-            return self._refuse(e)
+            return self.refuse(e)
 
     async def _request_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if self.decided:
@@ -128,11 +128,11 @@ class PickerStream:
         self.subset = epp.subset_hint(req.metadata_context)
         problem = body_mode_problem(self.request_mode)
         if problem is not None:
-            return self._refuse(problem)
+            return self.refuse(problem)
         length = self.headers.get("content-length", "")
         limit = self.app.settings.max_request_bytes
         if length.isdigit() and int(length) > limit:
-            return self._refuse(errors.request_too_large(limit, int(length)))
+            return self.refuse(errors.request_too_large(limit, int(length)))
         if req.request_headers.end_of_stream or self.request_mode == epp.BODY_NONE:
             pick = await self._pick(b"")
             return self._refused_answer if self.refused else [epp.headers_answer(pick)]
@@ -148,7 +148,7 @@ class PickerStream:
                 else [epp.empty("request_body")]
         limit = self.app.settings.max_request_bytes
         if len(self.body) + len(msg.body) > limit:
-            return self._refuse(errors.request_too_large(limit, len(self.body) + len(msg.body)))
+            return self.refuse(errors.request_too_large(limit, len(self.body) + len(msg.body)))
         self.body += msg.body
         if not msg.end_of_stream:
             return []  # more body, or trailers, to come
@@ -171,7 +171,8 @@ class PickerStream:
         return [epp.buffered_answer(pick)]
 
     # ---- the pick ------------------------------------------------------------------------
-    def _refuse(self, err: APIError) -> list[pb.ProcessingResponse]:
+    def refuse(self, err: APIError) -> list[pb.ProcessingResponse]:
+        """Answer the client with ``err`` now; the request goes to no engine."""
         self.decided = self.refused = True
         self._refused_answer = [epp.immediate(err)]
         return self._refused_answer
@@ -185,18 +186,18 @@ class PickerStream:
             try:
                 check_generation_body(body)
             except APIError as e:
-                self._refuse(e)
+                self.refuse(e)
                 return epp.Pick("")
         fleet, dispatch = app.fleet, app.dispatch
         if fleet is None:
-            self._refuse(all_engines_down(["the router has not started its engine pool yet"]))
+            self.refuse(all_engines_down(["the router has not started its engine pool yet"]))
             return epp.Pick("")
         out, info = await app.prepare(path, body, self.headers.get("authorization"))
         address_of = {url: epp.endpoint_address(url) for url in fleet.engines}
         exclude = frozenset(u for u, a in address_of.items() if self.subset is not None and a not in self.subset)
         if dispatch.saturated(fleet, exclude):
             app.metrics.count("none", "shed")
-            self._refuse(shedding())
+            self.refuse(shedding())
             return epp.Pick("")
         session = session_key(self.headers, info.user) if app.settings.policy == "session" else None
         url, predicted = dispatch.choose(fleet, app.policy, info, session, exclude, time.monotonic())
@@ -205,7 +206,7 @@ class PickerStream:
             app.metrics.count("none", "unavailable")
             why = (f"none of the gateway's candidates ({', '.join(sorted(self.subset))}) is a healthy engine"
                    if self.subset is not None else "no engine is healthy")
-            self._refuse(all_engines_down([why]))
+            self.refuse(all_engines_down([why]))
             return epp.Pick("")
         self.decided = True
         self.url, self.address, self.info, self.predicted = url, address_of[url], info, predicted
@@ -253,7 +254,7 @@ class PickerStream:
                 if token_events(chunk):
                     self.lease.first_token()
                 if self.cached is None:
-                    self.cached = _usage_in_chunk(chunk)
+                    self.cached = usage_in_chunk(chunk)
             elif len(self.response_kept) + len(chunk) <= MAX_RESPONSE_BODY_KEPT:
                 self.response_kept += chunk
             if msg.end_of_stream:
