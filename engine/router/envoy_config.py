@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from kvmesh.engine.router.epp import DESTINATION, SERVED, SUBSET_NAMESPACE
 
 BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED")
@@ -35,6 +36,7 @@ PICKED_CLUSTER = "kvmesh_picked"
 PICKER_CLUSTER = "kvmesh_picker"
 FALLBACK_CLUSTER = "kvmesh_fallback"
 DIRECT_CLUSTER = "kvmesh_engine"
+_HEADROOM = 64 << 10  # request headers and framing on top of the body
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _ROUTER = {"name": "envoy.filters.http.router",
            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
@@ -65,14 +67,17 @@ def _static_cluster(name: str, endpoints: Sequence[str], http2: bool = False) ->
 
 
 def _listener(listen: str, routes: list[dict[str, Any]], http_filters: list[dict[str, Any]],
-              response_headers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              response_headers: list[dict[str, Any]] | None = None, buffer_limit: int | None = None) -> dict[str, Any]:
     vhost: dict[str, Any] = {"name": "all", "domains": ["*"], "routes": routes}
     if response_headers:
         vhost["response_headers_to_add"] = response_headers
-    return {"name": "gateway", "address": _address(listen), "filter_chains": [{"filters": [{
+    listener: dict[str, Any] = {"name": "gateway", "address": _address(listen), "filter_chains": [{"filters": [{
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {"@type": _HCM, "stat_prefix": "gateway", "route_config": {"name": "gateway",
                          "virtual_hosts": [vhost]}, "http_filters": http_filters}}]}]}
+    if buffer_limit is not None:
+        listener["per_connection_buffer_limit_bytes"] = buffer_limit
+    return listener
 
 
 def _route(cluster: str, header_present: str | None = None) -> dict[str, Any]:
@@ -89,10 +94,14 @@ def duplex_mode(body_mode: str) -> bool:
 
 def gateway_config(listen: str, picker: str, body_mode: str = "FULL_DUPLEX_STREAMED", *,
                    failure_mode_allow: bool = False, fallback: Sequence[str] = (),
-                   message_timeout_s: float = 10.0, admin: str | None = None) -> dict[str, Any]:
+                   message_timeout_s: float = 10.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                   admin: str | None = None) -> dict[str, Any]:
     """Envoy listening on ``listen`` (HOST:PORT), asking the picker at ``picker`` (HOST:PORT) where
     each request goes. ``message_timeout_s`` bounds each picker answer (the pick of a long prompt
-    waits for its tokenization; Envoy's default of 200 ms is too short for megabyte prompts)."""
+    waits for its tokenization; Envoy's default of 200 ms is too short for megabyte prompts).
+    ``max_request_bytes``: the router's ``--max-request-bytes``; the listener buffers that much (plus
+    headers), so a BUFFERED body the picker accepts is not refused first by Envoy's 1 MiB default,
+    and a larger one gets the picker's 413 in OpenAI's format."""
     if body_mode not in BODY_MODES:
         raise ValueError(f"body_mode {body_mode!r}: use one of {', '.join(BODY_MODES)}")
     if failure_mode_allow and duplex_mode(body_mode):
@@ -121,7 +130,8 @@ def gateway_config(listen: str, picker: str, body_mode: str = "FULL_DUPLEX_STREA
     if fallback:
         clusters.append(_static_cluster(FALLBACK_CLUSTER, fallback))
     config: dict[str, Any] = {"static_resources": {
-        "listeners": [_listener(listen, routes, [ext_proc, _ROUTER], served)], "clusters": clusters}}
+        "listeners": [_listener(listen, routes, [ext_proc, _ROUTER], served, max_request_bytes + _HEADROOM)],
+        "clusters": clusters}}
     if admin:
         config["admin"] = {"address": _address(admin)}
     return config

@@ -98,6 +98,10 @@ def test_requests_go_where_the_picker_says_and_streams_pass_through(picker, mode
         wait_for(lambda: picker.inflight() == 0, "the picker to release every engine")
         bad = httpx.post(url + "/v1/completions", content=b"{oops", timeout=10)
         assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+        # Above Envoy's 1 MiB default buffer, under --max-request-bytes (4 MiB): routed in both modes.
+        assert httpx.post(url + "/v1/completions", json=body("x" * (2 << 20)), timeout=30).status_code == 200
+        huge = httpx.post(url + "/v1/completions", json=body("x" * (5 << 20)), timeout=30)
+        assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
     finally:
         env.stop()
 
