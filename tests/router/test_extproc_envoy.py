@@ -34,14 +34,14 @@ pytestmark = pytest.mark.skipif(find_envoy() is None, reason="no envoy binary: p
 class Picker:
     """A router serving only its ext_proc picker (its HTTP port is unused here) over fake engines."""
 
-    def __init__(self, engines: list[FakeEngine]) -> None:
+    def __init__(self, engines: list[FakeEngine], **settings) -> None:
         self.engines = engines
         self.servers = [ServerThread(e).start() for e in engines]
         for e, s in zip(engines, self.servers):
             e.url = s.url
         urls = [s.url for s in self.servers]
         settings = RouterSettings(policy="cache-aware", engines=tuple(urls), health_interval_s=0.2,
-                                  sync_timeout_s=10, ext_proc_port=0)
+                                  sync_timeout_s=10, ext_proc_port=0, **settings)
         self.app = RouterApp(settings, FakeTokenizer(),
                              fleet_factory=lambda s: Fleet(s, urls=list(urls), health_interval_s=0.2))
         self.router = ServerThread(self.app).start()
@@ -104,6 +104,23 @@ def test_requests_go_where_the_picker_says_and_streams_pass_through(picker, mode
         assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
     finally:
         env.stop()
+
+
+@pytest.mark.parametrize("mode", BODY_MODES)
+def test_with_isolated_tenants_the_engine_gets_the_salted_body(mode):
+    """--isolate-tenants: the picker salts the body with the key's tenant salt (and hashes that
+    chain), and Envoy sends the mutated body, length fixed, to the engine."""
+    from kvmesh.engine.api.auth import Credentials, tenant_salt
+
+    p = Picker([FakeEngine("a")], auth=Credentials(api_keys=frozenset({"k1"}), isolate_tenants=True))
+    env, url = gateway(p.address, mode)
+    try:
+        r = httpx.post(url + "/v1/completions", json=body("hello"), headers={"authorization": "Bearer k1"}, timeout=10)
+        assert r.status_code == 200, r.text
+        assert p.engines[0].requests[-1]["cache_salt"] == tenant_salt("k1", None)
+    finally:
+        env.stop()
+        p.stop()
 
 
 def test_the_health_service_reports_serving_once_the_router_is_ready(picker):
