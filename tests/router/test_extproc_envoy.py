@@ -123,6 +123,26 @@ def test_with_isolated_tenants_the_engine_gets_the_salted_body(mode):
         p.stop()
 
 
+def test_the_gateways_subset_hint_restricts_the_pick(picker):
+    """A filter ahead of ext_proc sets envoy.lb.subset_hint (as a GIE gateway does); the rendered
+    config forwards that namespace and every request lands on the one allowed engine."""
+    allowed = picker.engines[1]
+    port = free_port()
+    config = gateway_config(f"127.0.0.1:{port}", picker.address, "BUFFERED")
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"].insert(0, {"name": "envoy.filters.http.set_metadata", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+        "metadata": [{"metadata_namespace": epp.SUBSET_NAMESPACE,
+                      "value": {epp.SUBSET_KEY: [epp.endpoint_address(allowed.url)]}}]}})
+    env = EnvoyProcess(config).start()
+    try:
+        names = {httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body(f"q{i}"), timeout=10).json()["engine"]
+                 for i in range(4)}
+        assert names == {allowed.name}
+    finally:
+        env.stop()
+
+
 def test_the_health_service_reports_serving_once_the_router_is_ready(picker):
     with grpc.insecure_channel(picker.address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
