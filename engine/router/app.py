@@ -217,8 +217,13 @@ class RouterApp:
         if self.settings.ext_proc_port is not None:
             from kvmesh.engine.router.extproc import ExtProcServer  # grpc only when serving it
 
-            self.ext_proc = ExtProcServer(self, self.settings.ext_proc_host, self.settings.ext_proc_port)
-            await self.ext_proc.start()
+            server = ExtProcServer(self, self.settings.ext_proc_host, self.settings.ext_proc_port)
+            try:
+                await server.start()
+            except OSError:
+                await self.shutdown()  # nothing half-started outlives the failed startup
+                raise
+            self.ext_proc = server
         if self.tokenizer is not None:
             self._use_tokenizer(self.tokenizer)
         elif self.needs_tokenizer:

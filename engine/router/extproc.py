@@ -72,9 +72,13 @@ class ExtProcServer:
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.app), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         target = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-        bound = server.add_insecure_port(target)
+        try:
+            bound = server.add_insecure_port(target)
+        except RuntimeError:  # grpc's way of saying the bind failed
+            bound = 0
         if not bound:
-            raise OSError(f"--ext-proc-port: cannot listen on {target} (in use, or no such address)")
+            raise OSError(f"--ext-proc-port: cannot listen on {target}: the port is in use or the address is not "
+                          "this host's; pick another --ext-proc-port (or --host)")
         self.port = bound
         await server.start()
         await self._publish_health()

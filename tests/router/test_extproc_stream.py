@@ -345,3 +345,23 @@ def test_the_envoy_config_in_the_docs_is_the_renderers_and_envoy_accepts_every_v
         path.write_text(yaml.safe_dump(c))
         got = subprocess.run([envoy, "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
         assert got.returncode == 0, got.stdout[-2000:] + got.stderr[-2000:]
+
+
+def test_a_picker_port_in_use_is_a_clear_startup_error():
+    """Real: the gRPC server binding a loopback port another socket holds."""
+    import socket
+
+    import pytest
+
+    from kvmesh.engine.router.extproc import ExtProcServer
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+
+        async def start() -> None:
+            await ExtProcServer(make_app(), "127.0.0.1", port).start()
+
+        with pytest.raises(OSError, match="port is in use"):
+            asyncio.run(start())
