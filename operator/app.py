@@ -62,6 +62,7 @@ def production_ops() -> KubeOps:
         create_if_absent=kube.create_if_absent,
         apply_error=kube.ApplyError,
         pods=kube.owner_pods,
+        delete_owned=kube.delete_owned,
     )
 
 

@@ -119,7 +119,38 @@ def _component(name: str, description: str) -> dict[str, Any]:
         props["policy"] = string(
             "How the router picks an engine.", s.DEFAULT_ROUTER_POLICY, enum=list(s.ROUTER_POLICIES)
         )
+        props["mode"] = string(
+            "proxy: the router Service is the entry point. gateway: a Gateway API Inference Extension "
+            "gateway is; the operator renders an InferencePool whose endpoint picker is the router "
+            "(kvmesh router --ext-proc-port), and the gateway sends each request to the engine pod it picks.",
+            s.DEFAULT_ROUTER_MODE, enum=list(s.ROUTER_MODES))
+        props["gateway"] = _router_gateway()
+        rules.append(rule("self.mode == 'gateway' || !has(self.gateway)",
+                          "router.gateway needs router.mode: gateway"))
     return obj(description, props, default={}, **{"x-kubernetes-validations": rules})
+
+
+def _router_gateway() -> dict[str, Any]:
+    return obj(
+        "Gateway mode settings (router.mode gateway only).",
+        {
+            "parentRef": obj(
+                "The Gateway to attach to: the operator renders an HTTPRoute sending every path of it to the "
+                "deployment's InferencePool. Without it, route to the pool <name>-pool yourself.",
+                {
+                    "name": string("The Gateway's name.", minLength=1, maxLength=253),
+                    "namespace": string("The Gateway's namespace (default: this one; another needs a "
+                                        "ReferenceGrant there).", maxLength=63),
+                    "sectionName": string("One listener of the Gateway.", maxLength=253),
+                },
+                required=["name"],
+            ),
+            "failureMode": string(
+                "What the gateway does while the endpoint picker does not answer: FailClose refuses the "
+                "request, FailOpen sends it to an engine of the gateway's choosing.",
+                s.DEFAULT_FAILURE_MODE, enum=list(s.FAILURE_MODES)),
+        },
+    )
 
 
 def _model() -> dict[str, Any]:
@@ -322,7 +353,12 @@ def _spec_schema() -> dict[str, Any]:
                 rule(
                     "self.decode.replicas >= 1 || self.prefill.replicas == 0",
                     "decode.replicas must be at least 1 while prefill.replicas > 0",
-                )
+                ),
+                rule("self.router.mode != 'gateway' || self.prefill.replicas == 0",
+                     "router.mode gateway serves colocated engines: set prefill.replicas to 0 "
+                     "(prefill/decode disaggregation needs router.mode proxy)"),
+                rule("self.router.mode != 'gateway' || !self.auth.isolateTenants",
+                     "auth.isolateTenants needs router.mode proxy"),
             ]
         },
     )

@@ -18,6 +18,8 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from . import spec as s
+from .gateway import RESOURCES as GATEWAY_RESOURCES
+from .gateway import POOL_KIND, ROUTE_KIND, ObjectRef
 from .render import AUTH_KEY, MANAGED_BY, OWNER_LABEL
 
 FIELD_MANAGER = MANAGED_BY
@@ -79,10 +81,38 @@ def apply(manifest: Mapping[str, Any]) -> None:
             client.NetworkingV1Api(api).patch_namespaced_network_policy(
                 meta["name"], meta["namespace"], manifest, **kwargs
             )
+        elif kind in (POOL_KIND, ROUTE_KIND):
+            group, version, plural = GATEWAY_RESOURCES[kind]
+            client.CustomObjectsApi(api).patch_namespaced_custom_object(
+                group, version, meta["namespace"], plural, meta["name"], manifest, **kwargs
+            )
         else:
             raise ValueError(f"the operator does not manage {kind} objects")
     except ApiException as exc:
+        if exc.status == 404 and kind in (POOL_KIND, ROUTE_KIND):
+            group, version, plural = GATEWAY_RESOURCES[kind]
+            raise ApplyError(f"{kind} {meta['name']}: this cluster does not serve {plural}.{group}/{version}; "
+                             "install the Gateway API Inference Extension CRDs (and, for an HTTPRoute, the Gateway "
+                             "API CRDs), or set spec.router.mode to proxy") from exc
         raise ApplyError(f"{kind} {meta['name']}: {_reason(exc)}") from exc
+
+
+def delete_owned(ref: ObjectRef, owner_uid: str) -> None:
+    """Delete an optional child (gateway.stale_refs) if it exists and ``owner_uid`` controls it.
+
+    An absent object, or an API that does not serve its kind (no GIE CRDs installed), is what the
+    pass wants already; an object of the same name that someone else owns is left alone."""
+    group, version, plural = GATEWAY_RESOURCES[ref.kind]
+    api = client.CustomObjectsApi(api_client())
+    try:
+        obj = api.get_namespaced_custom_object(group, version, ref.namespace, plural, ref.name)
+        owners = (obj.get("metadata") or {}).get("ownerReferences") or ()
+        if not any(o.get("uid") == owner_uid and o.get("controller") for o in owners):
+            return
+        api.delete_namespaced_custom_object(group, version, ref.namespace, plural, ref.name)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise ApplyError(f"{ref.kind} {ref.name}: delete failed: {_reason(exc)}") from exc
 
 
 def create_if_absent(manifest: Mapping[str, Any]) -> None:

@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Mapping
 
 from . import spec as s
+from .gateway import ObjectRef, stale_refs
 from .render import Owner, render_all, render_auth_secret
 from .status import compute_status, status_changed
 
@@ -45,6 +46,8 @@ class KubeOps:
     apply_error: type[Exception] = RuntimeError
     # (ns, name) -> the owner's pods by component, for crash-loop detection; None: not read.
     pods: Callable[[str, str], Mapping[str, list[Mapping[str, Any]]]] | None = None
+    # Delete an optional child the spec no longer asks for, if the given owner uid controls it.
+    delete_owned: Callable[[ObjectRef, str], None] | None = None
 
 
 @dataclass
@@ -82,6 +85,13 @@ class Reconciler:
                 self.ops.apply(manifest)
             except self.ops.apply_error as exc:
                 failures.append(str(exc))
+        if manifests and self.ops.delete_owned is not None:
+            owner = Owner.from_object(obj)
+            for ref in stale_refs(s.parse_spec(obj.get("spec") or {}), owner):
+                try:
+                    self.ops.delete_owned(ref, owner.uid)
+                except self.ops.apply_error as exc:
+                    failures.append(str(exc))
         if failures:
             error = "; ".join(failures)
         owner = Owner.from_object(obj)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import yaml
@@ -38,6 +37,8 @@ from kvmesh.engine.util import fleet_args as fa
 
 from . import spec as s
 from .autoscaler import autoscaled_pools, effective_replicas
+from .gateway import EXT_PROC_PORT, EXT_PROC_PORT_NAME, render_gateway_objects, serving_component
+from .owner import MANAGED_BY, OWNER_LABEL, Owner, child_name, labels, meta as _meta, selector_labels
 from .quantity import add_bytes, format_bytes, parse_quantity
 
 ENGINE_PORT = 8000
@@ -75,8 +76,6 @@ RUN_AS = 1000
 SCRAPER_NAMESPACE_LABEL = "serving.kvmesh.io/metrics-scraper"
 # The operator's pods as the chart labels them (charts/kvmesh/templates/_helpers.tpl).
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/component": "operator"}
-OWNER_LABEL = "serving.kvmesh.io/inference-deployment"
-MANAGED_BY = "kvmesh-operator"
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
 # Which sections of the configuration file each pool reads: the per-pool
 # config hash covers only these, so e.g. an SLO edit restarts the router only.
@@ -86,25 +85,6 @@ CONFIG_SECTIONS = {
     "cache": ("cache",),
     "router": ("model", "services", "router", "slo"),
 }
-
-
-@dataclass(frozen=True)
-class Owner:
-    """The CR a set of children belongs to."""
-
-    name: str
-    namespace: str
-    uid: str
-    generation: int = 0
-
-    @classmethod
-    def from_object(cls, obj: Mapping[str, Any]) -> Owner:
-        meta = obj["metadata"]
-        return cls(meta["name"], meta["namespace"], meta["uid"], int(meta.get("generation", 0)))
-
-
-def child_name(owner: Owner, component: str) -> str:
-    return f"{owner.name}-{component}"
 
 
 def auth_secret_name(owner: Owner) -> str:
@@ -133,46 +113,6 @@ def service_host(owner: Owner, component: str) -> str:
 
 def router_url(owner: Owner) -> str:
     return f"http://{service_host(owner, 'router')}:{ENGINE_PORT}"
-
-
-def selector_labels(owner: Owner, component: str) -> dict[str, str]:
-    """Immutable Deployment selector: never add keys here after release."""
-    return {
-        "app.kubernetes.io/name": "kvmesh",
-        "app.kubernetes.io/instance": owner.name,
-        "app.kubernetes.io/component": component,
-    }
-
-
-def labels(owner: Owner, component: str | None = None) -> dict[str, str]:
-    out = {
-        "app.kubernetes.io/name": "kvmesh",
-        "app.kubernetes.io/instance": owner.name,
-        "app.kubernetes.io/part-of": "kvmesh",
-        "app.kubernetes.io/managed-by": MANAGED_BY,
-        OWNER_LABEL: owner.name,
-    }
-    if component:
-        out["app.kubernetes.io/component"] = component
-    return out
-
-
-def _meta(owner: Owner, name: str, component: str | None) -> dict[str, Any]:
-    return {
-        "name": name,
-        "namespace": owner.namespace,
-        "labels": labels(owner, component),
-        "ownerReferences": [
-            {
-                "apiVersion": f"{s.GROUP}/{s.VERSION}",
-                "kind": s.KIND,
-                "name": owner.name,
-                "uid": owner.uid,
-                "controller": True,
-                "blockOwnerDeletion": True,
-            }
-        ],
-    }
 
 
 def _endpoint(owner: Owner, component: str) -> str:
@@ -245,6 +185,7 @@ def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[
     if component in ("prefill", "decode"):
         role = "both" if component == "decode" and spec.colocated else component
         line = fa.EngineLine(
+            api_key_files=(API_KEYS_FILE,) if _client_keys_mounted(spec, component) else (),
             role=role, model=spec.model.name,
             model_path=_model_path(spec) if spec.model.source_type == "Volume" else None,
             model_uri=str(spec.model.uri) if spec.model.source_type == "URI" else None,
@@ -264,8 +205,18 @@ def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[
         return ["kvmesh", *fa.router_args(fa.RouterLine(
             decode=fa.Pool(service=_endpoint(owner, "decode")), prefill=prefill, policy=str(spec.router.policy),
             model=spec.model.name, cache_node=cache, api_key_files=keys, isolate_tenants=spec.auth.isolate_tenants,
-            **common))]
+            ext_proc_port=EXT_PROC_PORT if spec.gateway.enabled else None, **common))]
     raise ValueError(f"unknown component {component!r}; expected one of {s.COMPONENTS}")
+
+
+def _client_keys_mounted(spec: s.InferenceSpec, component: str) -> bool:
+    """Where clients' requests arrive, the client keys are checked: the router in proxy mode, the
+    serving engines behind a gateway (which sends requests to them directly)."""
+    if not spec.auth.api_keys_secret:
+        return False
+    if spec.gateway.enabled:
+        return component in ("router", serving_component(spec))
+    return component == "router"
 
 
 def _resources(c: s.Component) -> dict[str, Any]:
@@ -337,6 +288,8 @@ def _container_ports(spec: s.InferenceSpec, component: str) -> list[dict[str, An
         ports.append({"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"})
     if component == "cache":
         ports.append({"name": "ucx", "containerPort": CACHE_UCX_PORT, "protocol": "TCP"})
+    if component == "router" and spec.gateway.enabled:
+        ports.append({"name": EXT_PROC_PORT_NAME, "containerPort": EXT_PROC_PORT, "protocol": "TCP"})
     return ports
 
 
@@ -353,7 +306,7 @@ def render_deployment(
     ]
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                                     {"name": "auth", "mountPath": AUTH_DIR, "readOnly": True}]
-    if component == "router" and spec.auth.api_keys_secret:
+    if _client_keys_mounted(spec, component):
         volumes.append({"name": "api-keys", "secret": {
             "secretName": spec.auth.api_keys_secret, "items": [{"key": spec.auth.api_keys_key, "path": "keys"}]}})
         mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
@@ -459,6 +412,10 @@ def render_service(spec: s.InferenceSpec, owner: Owner, component: str) -> dict[
     if _receives_kv(spec, component):
         svc_spec["ports"].append({"name": "kv-transfer", "port": KV_TRANSFER_PORT, "targetPort": "kv-transfer",
                                   "protocol": "TCP"})
+    if component == "router" and spec.gateway.enabled:
+        # The InferencePool's endpointPickerRef names this Service and port.
+        svc_spec["ports"].append({"name": EXT_PROC_PORT_NAME, "port": EXT_PROC_PORT, "targetPort": EXT_PROC_PORT_NAME,
+                                  "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"})
     if component == "router":
         svc_spec["type"] = "ClusterIP"
     else:
@@ -476,11 +433,13 @@ def network_policy_name(owner: Owner) -> str:
     return child_name(owner, "internal")
 
 
-def render_network_policy(owner: Owner) -> dict[str, Any]:
+def render_network_policy(spec: s.InferenceSpec, owner: Owner) -> dict[str, Any]:
     """Engine and cache pods accept connections only from the deployment's own pods (the router,
     engines and cache nodes among themselves), the operator (drains, scale decisions) and pods in
     namespaces labelled ``SCRAPER_NAMESPACE_LABEL=true``. The router stays open: it is the entry
-    point. Enforcement needs a CNI that implements NetworkPolicy; elsewhere it is inert."""
+    point. Behind a gateway (spec.router.mode gateway) the engines' HTTP port is an entry point too,
+    open to any source: the gateway's Envoy runs wherever its installation put it (their internal
+    endpoints still need the token; UCX and KV-event ports stay closed). Enforcement needs a CNI that implements NetworkPolicy; elsewhere it is inert."""
     internal = [c for c in s.COMPONENTS if c != "router"]
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -496,7 +455,7 @@ def render_network_policy(owner: Owner) -> dict[str, Any]:
                 {"podSelector": {"matchLabels": {OWNER_LABEL: owner.name}}},
                 {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}},
                 {"namespaceSelector": {"matchLabels": {SCRAPER_NAMESPACE_LABEL: "true"}}},
-            ]}],
+            ]}] + ([{"ports": [{"port": ENGINE_PORT, "protocol": "TCP"}]}] if spec.gateway.enabled else []),
         },
     }
 
@@ -520,5 +479,5 @@ def render_all(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
     for component in s.COMPONENTS:
         out.append(render_deployment(spec, owner, component, config, replicas[component]))
         out.append(render_service(spec, owner, component))
-    out.append(render_network_policy(owner))
-    return out
+    out.append(render_network_policy(spec, owner))
+    return out + render_gateway_objects(spec, owner, ENGINE_PORT)

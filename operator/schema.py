@@ -102,6 +102,7 @@ def status_schema() -> dict[str, Any]:
                 "description": "metadata.generation this status describes.",
             },
             "routerURL": string("In-cluster URL of the router Service."),
+            "inferencePool": string("The InferencePool a gateway routes to (router.mode gateway)."),
             "scaleSelector": string(
                 "Label selector of the decode pool's pods (the /scale subresource's selector)."),
             "components": obj(

@@ -27,6 +27,13 @@ SHORT_NAMES = ("infd",)
 
 COMPONENTS = ("prefill", "decode", "cache", "router")
 ROUTER_POLICIES = ("cache-aware", "session", "least-load", "round-robin")
+# proxy: the router Service is the entry point. gateway: a Gateway API Inference Extension gateway
+# is, and the router serves it as the endpoint picker of an InferencePool (operator/gateway.py).
+ROUTER_MODES = ("proxy", "gateway")
+DEFAULT_ROUTER_MODE = "proxy"
+# What the InferencePool's gateway does while the endpoint picker does not answer (GIE's enum).
+FAILURE_MODES = ("FailClose", "FailOpen")
+DEFAULT_FAILURE_MODE = "FailClose"
 # The policies that route by cached prefix, so need the engines' tokenizer (the router's
 # `policies.uses_prefix`; tests/util/test_rendered_command_lines.py checks they agree).
 PREFIX_ROUTER_POLICIES = ("cache-aware", "session")
@@ -151,6 +158,30 @@ class ClientAuth:
 
 
 @dataclass(frozen=True)
+class ParentRef:
+    """The Gateway an HTTPRoute attaches to (Gateway API's ParentReference, Gateway kind only)."""
+
+    name: str
+    namespace: str | None = None
+    section_name: str | None = None
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """``spec.router.mode`` and ``spec.router.gateway``. Invariant: ``parent_ref`` and a non-default
+    ``failure_mode`` only in gateway mode (the CRD's CEL and ``parse_spec`` both refuse them in proxy
+    mode, so a field that would do nothing is never silently accepted)."""
+
+    mode: str = DEFAULT_ROUTER_MODE
+    parent_ref: ParentRef | None = None
+    failure_mode: str = DEFAULT_FAILURE_MODE
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode == "gateway"
+
+
+@dataclass(frozen=True)
 class InferenceSpec:
     model: Model
     image: str
@@ -162,6 +193,7 @@ class InferenceSpec:
     slo: Slo
     autoscaling: Autoscaling
     auth: ClientAuth = field(default_factory=ClientAuth)
+    gateway: Gateway = field(default_factory=Gateway)
 
     @property
     def colocated(self) -> bool:
@@ -339,12 +371,51 @@ def _client_auth(raw: Any) -> ClientAuth:
                       or DEFAULT_API_KEYS_KEY, isolate)
 
 
+def _gateway(router: Any) -> Gateway:
+    r = _obj(router, "spec.router")
+    mode = _text(r.get("mode"), "spec.router.mode", DEFAULT_ROUTER_MODE)
+    if mode not in ROUTER_MODES:
+        raise SpecError(f"spec.router.mode must be one of {', '.join(ROUTER_MODES)}, got {mode!r}")
+    if r.get("gateway") is None:
+        return Gateway(mode)
+    if mode != "gateway":
+        raise SpecError("spec.router.gateway is set but spec.router.mode is proxy: set mode: gateway, "
+                        "or remove the gateway section")
+    g = _obj(r.get("gateway"), "spec.router.gateway")
+    failure = _text(g.get("failureMode"), "spec.router.gateway.failureMode", DEFAULT_FAILURE_MODE)
+    if failure not in FAILURE_MODES:
+        raise SpecError(f"spec.router.gateway.failureMode must be one of {', '.join(FAILURE_MODES)}, "
+                        f"got {failure!r}")
+    parent = None
+    if g.get("parentRef") is not None:
+        at = "spec.router.gateway.parentRef"
+        p = _obj(g.get("parentRef"), at)
+        name = _text(p.get("name"), f"{at}.name", None)
+        if not name:
+            raise SpecError(f"{at}.name is required: the Gateway the HTTPRoute attaches to")
+        parent = ParentRef(name, _text(p.get("namespace"), f"{at}.namespace", None) or None,
+                           _text(p.get("sectionName"), f"{at}.sectionName", None) or None)
+    return Gateway(mode, parent, failure)
+
+
+def _check_gateway(spec: InferenceSpec) -> None:
+    """What gateway mode cannot serve (the CRD's CEL says the same at admission)."""
+    if not spec.gateway.enabled:
+        return
+    if not spec.colocated:
+        raise SpecError("spec.router.mode gateway serves colocated engines: set spec.prefill.replicas to 0 "
+                        "(prefill/decode disaggregation needs the router's proxy mode)")
+    if spec.auth.isolate_tenants:
+        raise SpecError("spec.auth.isolateTenants needs spec.router.mode proxy: behind a gateway the engines "
+                        "cannot tell tenants apart")
+
+
 def parse_spec(spec: Mapping[str, Any]) -> InferenceSpec:
     """Typed, defaulted view of `.spec` (raises SpecError naming the bad field)."""
     spec = _obj(spec, "spec")
     slo = _obj(spec.get("slo"), "spec.slo")
     auto = _obj(spec.get("autoscaling"), "spec.autoscaling")
-    return InferenceSpec(
+    out = InferenceSpec(
         model=_model(spec.get("model")),
         image=_text(spec.get("image"), "spec.image", DEFAULT_IMAGE),
         image_pull_policy=_text(spec.get("imagePullPolicy"), "spec.imagePullPolicy", DEFAULT_PULL_POLICY),
@@ -371,4 +442,7 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceSpec:
                                         DEFAULT_METRICS_WINDOW_S, minimum=1),
         ),
         auth=_client_auth(spec.get("auth")),
+        gateway=_gateway(spec.get("router")),
     )
+    _check_gateway(out)
+    return out

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Mapping
 
 from . import spec as s
 from .autoscaler import effective_replicas
+from .gateway import pool_name
 from .render import Owner, router_url, selector_labels
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
@@ -175,9 +176,10 @@ def compute_status(
     try:
         spec = s.parse_spec(obj.get("spec") or {})
         desired = effective_replicas(spec, obj.get("status"))
+        gateway_mode = spec.gateway.enabled
     except s.SpecError as exc:
         desired = {c: 0 for c in s.COMPONENTS}
-        error, error_reason = str(exc), "InvalidSpec"
+        error, error_reason, gateway_mode = str(exc), "InvalidSpec", False
     pools = [pool_state(c, desired[c], deployments.get(c)) for c in s.COMPONENTS]
 
     not_ready = [p for p in pools if not p.is_ready]
@@ -221,6 +223,8 @@ def compute_status(
         "observedGeneration": gen,
         # Only while a router pod can answer: a URL nothing serves misleads clients.
         "routerURL": router_url(owner) if router_ready(pools) else None,
+        # Once applied: a pass that failed to apply it reports the error instead.
+        "inferencePool": pool_name(owner) if gateway_mode and not error else None,
         # The /scale subresource's labelSelectorPath (crd.SCALE_SUBRESOURCE): the decode pods.
         "scaleSelector": ",".join(f"{k}={v}" for k, v in selector_labels(owner, "decode").items()),
         "components": {

@@ -32,7 +32,7 @@ from kvmesh.engine.router.discovery import Fleet, ServiceSource, SubscriberFacto
 from kvmesh.engine.router.dispatch import Dispatcher
 from kvmesh.engine.router.metrics import PDMetrics, RouterMetrics
 from kvmesh.engine.router.policies import LoadModel, build_policy, uses_prefix
-from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, analyze, with_cache_salt
+from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, PromptInfo, analyze, with_cache_salt
 from kvmesh.engine.api.tokenize import DETOKENIZE, TOKENIZE
 from kvmesh.engine.api.tokenize import answer as tokenize_answer
 from kvmesh.engine.router.proxy import all_engines_down, internal_auth
@@ -75,6 +75,9 @@ class RouterSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     auth: Credentials = field(default_factory=Credentials)
     """Client keys the router checks, and the internal token it sends every engine (api/auth.py)."""
+    ext_proc_port: int | None = None
+    """Also serve the pick to Envoy over ext_proc on this port (engine/router/extproc.py; 0: any free one)."""
+    ext_proc_host: str = "127.0.0.1"
 
     @property
     def disaggregated(self) -> bool:
@@ -111,6 +114,7 @@ class RouterApp:
                            lambda: self.two_stage.queued if self.two_stage else 0, STAGE1_OUTCOMES, FALLBACK_REASONS)
             self.two_stage = TwoStageRouter(self.dispatch, pd)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="router-tokenize")
+        self.ext_proc: Any = None  # the ExtProcServer while serving (its port: ext_proc.port)
 
     # The pools and the HTTP session live on the dispatcher (set at startup); read here.
     @property
@@ -210,6 +214,16 @@ class RouterApp:
         if self.settings.disaggregated:
             d.prefill_fleet = self._prefill_fleet_factory(d.session)
         await asyncio.gather(*(f.start() for f in self._fleets()))
+        if self.settings.ext_proc_port is not None:
+            from kvmesh.engine.router.extproc import ExtProcServer  # grpc only when serving it
+
+            server = ExtProcServer(self, self.settings.ext_proc_host, self.settings.ext_proc_port)
+            try:
+                await server.start()
+            except OSError:
+                await self.shutdown()  # nothing half-started outlives the failed startup
+                raise
+            self.ext_proc = server
         if self.tokenizer is not None:
             self._use_tokenizer(self.tokenizer)
         elif self.needs_tokenizer:
@@ -221,6 +235,8 @@ class RouterApp:
                         self.settings.sync_timeout_s)
 
     async def shutdown(self) -> None:
+        if self.ext_proc is not None:
+            await self.ext_proc.stop()
         if self._tokenizer_task is not None:
             self._tokenizer_task.cancel()
         for f in self._fleets():
@@ -344,12 +360,13 @@ class RouterApp:
                 task.cancel()  # closes the upstream connection: the engine aborts the request
                 return
 
-    async def _serve(self, scope: dict[str, Any], body: bytes, send: proxy.Send, path: str) -> None:
-        assert self.fleet is not None and self.session is not None
-        t0 = time.perf_counter()
+    async def prepare(self, path: str, body: bytes, authorization: bytes | str | None) -> tuple[bytes, PromptInfo]:
+        """(the body to send upstream, its routing view): with ``--isolate-tenants`` the tenant's
+        cache salt goes into the body first, so the hash chain is the tenant's; the prompt is
+        tokenized and hashed as the engines do. Shared by the proxy and the ext_proc picker, so
+        both pick from the same prompt view."""
         auth = self.settings.auth
         if auth.isolate_tenants:  # before hashing: the router's index sees the tenant's chain
-            authorization = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), None)
             body = with_cache_salt(body, lambda own: auth.cache_salt(authorization, own))
         if self.tokenizer is not None and len(body) > OFFLOAD_BODY_BYTES:
             # Long prompts take milliseconds to tokenize; the Rust tokenizer releases the GIL, so a
@@ -358,6 +375,13 @@ class RouterApp:
                                                                     self.tokenizer)
         else:
             info = analyze(path, body, self.tokenizer)
+        return body, info
+
+    async def _serve(self, scope: dict[str, Any], body: bytes, send: proxy.Send, path: str) -> None:
+        assert self.fleet is not None and self.session is not None
+        t0 = time.perf_counter()
+        authorization = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), None)
+        body, info = await self.prepare(path, body, authorization)
         headers = proxy.forward_headers(scope["headers"])
         session = session_key(headers, info.user) if self.settings.policy == "session" else None
         clock = ClientClock(t0)  # end-to-end TTFT/TPOT, whichever path answers (engine/router/slo.py)

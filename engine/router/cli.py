@@ -36,6 +36,13 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                         "such an engine (0: no cap; default: %(default)s)")
     r.add_argument("--max-attempts", type=int, default=3,
                    help="engines to try for one request before answering 503 (default: %(default)s)")
+    r.add_argument("--shed-above-running", type=int, default=0, metavar="N",
+                   help="answer 429 (Retry-After: 1) to a new request when every engine has N requests in "
+                        "flight or more, on the proxy and the ext_proc paths alike (0: never shed; default)")
+    r.add_argument("--ext-proc-port", type=int, default=None, metavar="PORT",
+                   help="also serve the pick to Envoy as a Gateway API Inference Extension endpoint picker "
+                        "(gRPC envoy.service.ext_proc.v3.ExternalProcessor + grpc.health.v1) on this port, on "
+                        "--host; the HTTP proxy keeps serving on --port (docs/gateway.md)")
 
     d = p.add_argument_group("engines")
     d.add_argument("--engines", default=None, metavar="URL,...",
@@ -146,6 +153,13 @@ def settings_from_args(args: argparse.Namespace):  # -> RouterSettings
         raise RouterArgsError("no engines to route to: pass --engines URL,... or --decode-service HOST:PORT")
     if args.session_idle_s <= 0 or args.max_attempts < 1 or args.max_running_per_engine < 0:
         raise RouterArgsError("--session-idle-s must be > 0, --max-attempts >= 1, --max-running-per-engine >= 0")
+    if args.shed_above_running < 0:
+        raise RouterArgsError("--shed-above-running must be >= 0 (0: never shed)")
+    if args.ext_proc_port is not None and not 0 <= args.ext_proc_port < 65536:
+        raise RouterArgsError(f"--ext-proc-port {args.ext_proc_port}: expected a TCP port, 0-65535 (0: any free one)")
+    if args.ext_proc_port is not None and args.ext_proc_port == args.port and args.port != 0:
+        raise RouterArgsError(f"--ext-proc-port and --port are both {args.port}: the gRPC picker and the HTTP proxy "
+                              "need a port each")
     if args.pd_queue_timeout < 0 or args.pd_max_queued < 0:
         raise RouterArgsError("--pd-queue-timeout and --pd-max-queued must be >= 0 (0: answer 503 as soon as every "
                               "decode engine refused)")
@@ -161,7 +175,8 @@ def settings_from_args(args: argparse.Namespace):  # -> RouterSettings
         policy=args.policy, engines=engines, services=services, prefill_engines=prefill_engines,
         prefill_services=prefill_services, pd_queue_timeout_s=args.pd_queue_timeout,
         pd_max_queued=args.pd_max_queued, session_idle_s=args.session_idle_s,
-        load=LoadModel(args.running_cost_tokens, args.max_running_per_engine), max_attempts=args.max_attempts,
+        load=LoadModel(args.running_cost_tokens, args.max_running_per_engine, shed_running=args.shed_above_running),
+        max_attempts=args.max_attempts, ext_proc_port=args.ext_proc_port, ext_proc_host=args.host,
         resolve_interval_s=args.resolve_interval_s, health_interval_s=args.health_interval_s,
         sync_timeout_s=args.sync_timeout_s, max_request_bytes=args.max_request_bytes, auth=auth)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -25,12 +26,60 @@ from kvmesh.engine.router import proxy
 from kvmesh.engine.router.discovery import EngineState, Fleet
 from kvmesh.engine.router.metrics import RouterMetrics
 from kvmesh.engine.router.policies import Policy, RouteRequest
+from kvmesh.engine.router.policies import saturated as policy_saturated
 from kvmesh.engine.router.prompt import PromptInfo, matched_tokens
-from kvmesh.engine.router.proxy import all_engines_down
+from kvmesh.engine.router.proxy import all_engines_down, shedding
 from kvmesh.engine.router.sessions import SessionTable
 
 if TYPE_CHECKING:
     from kvmesh.engine.router.app import RouterSettings
+
+
+@dataclass
+class Lease:
+    """One request's share of an engine's load, as the router counts it (the module invariant):
+    ``inflight`` + 1 and ``pending`` prefill tokens queued from ``take`` until ``release``; the
+    tokens leave the queue at ``first_token`` (timed: the engine prefilled them) or at ``release``
+    (untimed). ``release`` is idempotent, so every path that ends a request may call it."""
+
+    state: EngineState | None
+    pending: int
+    released: bool = False
+    prefilled: bool = False
+
+    @classmethod
+    def take(cls, state: EngineState | None, uncached: int) -> Lease:
+        if state is not None:
+            state.inflight += 1
+            if uncached > 0:
+                state.prefill.queued(state.queued_prefill_tokens, time.monotonic())
+            state.queued_prefill_tokens += uncached
+        return cls(state, uncached)
+
+    def first_token(self) -> None:
+        """The engine has prefilled this prompt: its tokens leave the queue (a chat stream's
+        role-only first event comes before that, so the first byte would be too early)."""
+        st = self.state
+        if self.prefilled or self.released:
+            return
+        self.prefilled = True
+        if st is not None:
+            st.queued_prefill_tokens -= self.pending
+            st.prefill.drained(self.pending, st.queued_prefill_tokens, time.monotonic())
+        self.pending = 0
+
+    def release(self) -> None:
+        st = self.state
+        if self.released:
+            return
+        self.released = True
+        if st is None:
+            return
+        st.inflight -= 1
+        if self.pending:
+            st.queued_prefill_tokens -= self.pending
+            st.prefill.drained(self.pending, st.queued_prefill_tokens, time.monotonic(), measured=False)
+        self.pending = 0
 
 
 class Dispatcher:
@@ -72,6 +121,10 @@ class Dispatcher:
         """The request as is on one engine of the decode (or colocated) pool, retried on others
         (``observe_decision``: False when the two-stage flow already timed this request's decision)."""
         assert self.fleet is not None
+        if self.saturated(self.fleet, frozenset()):
+            await proxy.send_error(send, shedding())
+            self.metrics.count("none", "shed")
+            return
         exclude: set[str] = set()
         tried: list[str] = []
         last_retry: proxy.Retry | None = None
@@ -100,6 +153,18 @@ class Dispatcher:
             await proxy.send_error(send, all_engines_down(tried))
         self.metrics.count("none", "unavailable")
 
+    def observe_cached(self, info: PromptInfo, predicted: int, cached_tokens: int | None) -> None:
+        """Predicted minus reported cached tokens, when the engine reported them for a prompt the
+        router tokenized whole (a multi-prompt request's first prompt does not stand for the rest)."""
+        if cached_tokens is not None and info.token_ids is not None \
+                and len(info.token_ids) == info.num_prompt_tokens:
+            self.metrics.cached_error.observe(predicted - cached_tokens)
+
+    def saturated(self, fleet: Fleet, exclude: frozenset[str]) -> bool:
+        """Whether to shed a new request (429): ``LoadModel.shed_running`` is set and every healthy
+        candidate already has that many requests in flight."""
+        return policy_saturated([st.endpoint() for st in fleet.engines.values()], exclude, self.settings.load)
+
     async def attempt(self, state: EngineState | None, url: str, path: str, body: bytes,
                        headers: dict[str, str], send: proxy.Send, info: PromptInfo, predicted: int, *,
                        uncached: int | None = None, ttft_extra_s: float = 0.0,
@@ -109,46 +174,27 @@ class Dispatcher:
         (stage 1), counted into the TTFT metric."""
         if uncached is None:
             uncached = max(0, info.num_prompt_tokens - predicted)
-        pending = [uncached]  # prefill tokens still queued on the engine by this request
 
         def first_byte(seconds: float) -> None:
             self.metrics.ttft.observe(seconds + ttft_extra_s)
-
-        def first_token() -> None:
-            # The engine has prefilled this prompt: its tokens leave the queue (a chat stream's
-            # role-only first event comes before that, so the first byte would be too early).
-            if state is not None:
-                state.queued_prefill_tokens -= pending[0]
-                state.prefill.drained(pending[0], state.queued_prefill_tokens, time.monotonic())
-            pending[0] = 0
 
         def engine_failed(why: str) -> None:
             if self.fleet is not None:
                 self.fleet.mark_failed(url, why)
 
-        if state is not None:
-            state.inflight += 1
-            if uncached > 0:
-                state.prefill.queued(state.queued_prefill_tokens, time.monotonic())
-            state.queued_prefill_tokens += uncached
+        lease = Lease.take(state, uncached)
         outcome = "aborted"
         try:
             result = await proxy.attempt(self.session, url + path, body, headers, send,
-                                         proxy.Hooks(first_byte, engine_failed, first_token), self.timeout, retry_statuses)
+                                         proxy.Hooks(first_byte, engine_failed, lease.first_token), self.timeout,
+                                         retry_statuses)
             if isinstance(result, proxy.Done):
                 outcome = result.outcome
-                if result.cached_tokens is not None and info.token_ids is not None \
-                        and len(info.token_ids) == info.num_prompt_tokens:
-                    self.metrics.cached_error.observe(predicted - result.cached_tokens)
+                self.observe_cached(info, predicted, result.cached_tokens)
             else:
                 outcome = ""
             return result
         finally:
-            if state is not None:
-                state.inflight -= 1
-                if pending[0]:
-                    state.queued_prefill_tokens -= pending[0]
-                    state.prefill.drained(pending[0], state.queued_prefill_tokens, time.monotonic(),
-                                          measured=False)
+            lease.release()
             if outcome:
                 self.metrics.count(url, outcome)

@@ -31,10 +31,11 @@ from kvmesh.engine.util.metrics import (
     new_registry,
 )
 
-OUTCOMES = ("ok", "client_error", "upstream_error", "failed_midstream", "aborted", "unavailable")
+OUTCOMES = ("ok", "client_error", "upstream_error", "failed_midstream", "aborted", "unavailable", "shed")
 """ok: 2xx; client_error: an upstream 4xx passed through; upstream_error: an upstream 5xx passed
 through; failed_midstream: the engine died after the first byte; aborted: the client left;
-unavailable: no engine could take the request (503 from the router)."""
+unavailable: no engine could take the request (503 from the router); shed: every engine was at
+--shed-above-running (429 from the router)."""
 
 # Predicted minus reported cached tokens: symmetric, in tokens (one block is 16 by default).
 CACHED_TOKENS_ERROR_BUCKETS: tuple[float, ...] = tuple(

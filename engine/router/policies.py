@@ -101,6 +101,8 @@ class LoadModel:
     """An endpoint with this many requests in flight is skipped while another is below it (0: no cap)."""
     prefill_s_per_token: float = 0.002
     """Prior prefill seconds per token (500 tok/s) for an endpoint not measured yet."""
+    shed_running: int = 0
+    """A new request is refused (429) when every candidate has this many requests in flight (0: never)."""
 
     def prefill_spt(self, e: Endpoint) -> float:
         """``e``'s measured prefill seconds per token, else the prior (always > 0)."""
@@ -143,6 +145,16 @@ def load_cap_filter(load: LoadModel) -> Filter:
         return below or list(endpoints)
 
     return under_cap
+
+
+def saturated(endpoints: Sequence[Endpoint], exclude: frozenset[str], load: LoadModel) -> bool:
+    """Whether to shed a new request: ``load.shed_running`` > 0 and every healthy, not draining
+    candidate (not in ``exclude``) runs that many requests or more. False when there is no
+    candidate at all (that is a 503, not a 429)."""
+    if load.shed_running <= 0:
+        return False
+    live = [e for e in endpoints if e.healthy and not e.draining and e.id not in exclude]
+    return bool(live) and all(e.running >= load.shed_running for e in live)
 
 
 # ---- scorers -----------------------------------------------------------------------------

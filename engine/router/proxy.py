@@ -110,7 +110,7 @@ def cached_tokens_of(usage_json: bytes) -> int | None:
         return None
 
 
-def _usage_in_chunk(chunk: bytes) -> int | None:
+def usage_in_chunk(chunk: bytes) -> int | None:
     """Cached tokens from the usage event inside one SSE chunk (found by a substring search,
     so ordinary token chunks cost one C-level scan and no parsing)."""
     if b'"cached_tokens"' not in chunk:
@@ -136,6 +136,11 @@ def all_engines_down(tried: list[str]) -> APIError:
     detail = f"; tried: {'; '.join(tried)}" if tried else ""
     return APIError(f"no engine is available to serve this request{detail}. Retry shortly.", 503,
                     "service_unavailable", "no_engine_available", None, {"Retry-After": "1"})
+
+
+def shedding() -> APIError:
+    return APIError("every engine is at its request limit (--shed-above-running); retry shortly.", 429,
+                    "rate_limit_exceeded", "engines_saturated", None, {"Retry-After": "1"})
 
 
 def sse_error(err: APIError) -> bytes:
@@ -200,7 +205,7 @@ async def _relay_stream(resp: aiohttp.ClientResponse, send: Send, hooks: Hooks, 
         hooks.first_token()
     await send({"type": "http.response.start", "status": resp.status, "headers": response_headers(resp, None)})
     await send({"type": "http.response.body", "body": first, "more_body": True})
-    cached = _usage_in_chunk(first)
+    cached = usage_in_chunk(first)
     try:
         async for chunk in resp.content.iter_any():
             if waiting_token and token_events(chunk):
@@ -208,7 +213,7 @@ async def _relay_stream(resp: aiohttp.ClientResponse, send: Send, hooks: Hooks, 
                 hooks.first_token()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if cached is None:
-                cached = _usage_in_chunk(chunk)
+                cached = usage_in_chunk(chunk)
     except UPSTREAM_ERRORS as e:
         hooks.engine_failed(f"stream broke: {type(e).__name__}: {e}")
         err = errors.APIError("the engine serving this request failed mid-stream; retry the request",

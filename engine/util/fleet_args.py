@@ -32,6 +32,7 @@ class EngineLine:
     drain_timeout_s: int | None = None
     config: str | None = None
     auth_token_file: str | None = None  # the deployment's internal token (a file: never on a command line)
+    api_key_files: tuple[str, ...] = ()  # client keys, where clients reach the engine directly (a gateway)
     extra: tuple[str, ...] = ()  # appended as given (`kvmesh up --serve-arg`)
 
 
@@ -59,6 +60,7 @@ class RouterLine:
     auth_token_file: str | None = None
     api_key_files: tuple[str, ...] = ()
     isolate_tenants: bool = False
+    ext_proc_port: int | None = None  # also serve Envoy's ext_proc (the endpoint picker of a gateway)
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,8 @@ def serve_args(e: EngineLine) -> list[str]:
             *_opt("--kv-events-port", e.kv_events_port), *_opt("--kv-transfer-port", e.kv_transfer_port),
             *_opt("--drain-timeout", e.drain_timeout_s),
             "--host", e.host, "--port", str(e.port), *_opt("--config", e.config),
-            *_opt("--auth-token-file", e.auth_token_file), *e.extra]
+            *_opt("--auth-token-file", e.auth_token_file),
+            *(a for f in e.api_key_files for a in ("--api-key-file", f)), *e.extra]
 
 
 def _pool(p: Pool, urls_flag: str, service_flag: str) -> list[str]:
@@ -102,7 +105,7 @@ def router_args(r: RouterLine) -> list[str]:
             "--host", r.host, "--port", str(r.port), *_opt("--config", r.config),
             *_opt("--auth-token-file", r.auth_token_file),
             *(a for f in r.api_key_files for a in ("--api-key-file", f)),
-            *(["--isolate-tenants"] if r.isolate_tenants else [])]
+            *(["--isolate-tenants"] if r.isolate_tenants else []), *_opt("--ext-proc-port", r.ext_proc_port)]
 
 
 def cache_node_args(c: CacheNodeLine) -> list[str]:

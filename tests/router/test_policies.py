@@ -23,6 +23,7 @@ from kvmesh.engine.router.policies import (
     pick,
     prefix_scorer,
     prefix_seconds_scorer,
+    saturated,
     uses_prefix,
 )
 from kvmesh.engine.router.sessions import SessionTable, session_key
@@ -194,3 +195,13 @@ def test_session_key_prefers_the_header_over_user():
     assert session_key({"x-session-id": "h"}, "u") == "h"
     assert session_key({}, "u") == "u"
     assert session_key({}, None) is None and session_key({}, 5) is None
+
+
+def test_saturated_sheds_only_when_every_live_candidate_is_at_the_limit():
+    load = LoadModel(shed_running=2)
+    busy, free = Endpoint("a", running=2), Endpoint("b", running=1)
+    assert not saturated([busy, free], frozenset(), load)
+    assert saturated([busy, free], frozenset({"b"}), load)  # the only candidate left is full
+    assert saturated([busy, Endpoint("b", healthy=False), Endpoint("c", draining=True)], frozenset(), load)
+    assert not saturated([], frozenset(), load)  # no candidate at all is a 503, not a 429
+    assert not saturated([busy], frozenset(), LoadModel())  # 0: never shed

@@ -27,6 +27,7 @@ from tests.support.fake_step_engine import FakeTokenizer
 from kvmesh.engine.util.asgi import ServerThread
 from kvmesh.engine.util.localproc import free_port
 
+from tests.support.waits import wait_for
 from tests.support.fake_http_engine import BLOCK_SIZE, EXTRA, Behavior, FakeEngine, StubSubscriber
 
 
@@ -266,7 +267,9 @@ def test_streamed_requests_time_the_engines_prefill_from_queue_to_first_token(cl
     r = completion(c.url, prompt, stream=True)
     assert r.status_code == 200 and len(sse_events(r.text)) == 5
     st = c.app.fleet.engines[c.engines[0].url]
-    assert st.queued_prefill_tokens == 0 and st.inflight == 0 and st.prefill.busy_since is None
+    # The lease is released after the last byte went out, so the client may see the end first.
+    wait_for(lambda: st.inflight == 0, "the stream's lease released", timeout=5)
+    assert st.queued_prefill_tokens == 0 and st.prefill.busy_since is None
     assert 190 <= st.prefill.estimate.units <= 210 and st.prefill.estimate.seconds > 0
     completion(c.url, prompt)  # not streamed: the whole body is the first token
     assert st.prefill.estimate.units > 300 and st.prefill.seconds_per_token() is not None
@@ -314,3 +317,21 @@ def test_tokenize_without_the_tokenizer_is_relayed_to_an_engine(cluster_factory)
     c = cluster_factory("round-robin", [a])
     r = httpx.post(c.url + "/tokenize", json={"prompt": "hello"})
     assert r.status_code == 200 and a.requests == [{"prompt": "hello"}]
+
+
+def test_the_proxy_sheds_with_429_when_every_engine_is_at_the_shed_limit(cluster_factory):
+    """--shed-above-running 1: while the only engine streams one request, a second is answered 429
+    (Retry-After) by the router without reaching the engine; once it ends, requests pass again."""
+    import threading
+
+    a = FakeEngine("a", Behavior(mode="slow", chunks=15))
+    c = cluster_factory("round-robin", [a], load=LoadModel(shed_running=1))
+    first = threading.Thread(target=completion, args=(c.url,), kwargs={"stream": True})
+    first.start()
+    wait_for(lambda: len(a.requests) == 1, "the first request on the engine")
+    r = completion(c.url)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "engines_saturated" and r.headers["retry-after"] == "1"
+    assert len(a.requests) == 1
+    first.join(30)
+    assert completion(c.url).status_code == 200
+    assert c.metric("kvmesh_router_requests_total", policy="round-robin", engine="none", outcome="shed") == 1

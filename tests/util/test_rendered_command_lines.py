@@ -16,6 +16,7 @@ import pytest
 from kvmesh.cli import build_parser
 from kvmesh.engine.router import cli as router_cli
 from kvmesh.engine.router.policies import POLICIES, uses_prefix
+from kvmesh.operator import gateway as gw
 from kvmesh.operator import render as r
 from kvmesh.operator import spec as s
 from tests.support.crs import MINIMAL_SPEC, mount_auth_secret
@@ -47,6 +48,9 @@ SPECS = {
     "colocated-float32": _spec(model__dtype="float32", prefill__replicas=0, cache__replicas=0),
     "client-keys": _spec(auth__apiKeysSecret="llm-keys"),
     "client-keys-isolated": _spec(auth__apiKeysSecret="llm-keys", auth__isolateTenants=True),
+    "gateway": _spec(prefill__replicas=0, router__mode="gateway"),
+    "gateway-client-keys": _spec(prefill__replicas=0, router__mode="gateway", auth__apiKeysSecret="llm-keys",
+                                 router__gateway={"parentRef": {"name": "inference-gateway"}}),
 }
 OWNER = r.Owner("llm", "serving", "uid-1")
 PARSER = build_parser()
@@ -78,6 +82,9 @@ def test_rendered_command_line_parses(name, raw, component, tmp_path):
         assert args.role == ("both" if component == "decode" and spec.colocated else component)
         assert args.kv_transfer_port == (r.KV_TRANSFER_PORT if args.role == "decode" else 0)
         assert args.dtype == spec.model.dtype == raw["model"].get("dtype", s.DEFAULT_DTYPE)
+        # Behind a gateway, clients reach the serving engines directly: they check the client keys.
+        keyed = bool(spec.auth.api_keys_secret) and spec.gateway.enabled and component == "decode"
+        assert (args.api_key_file is not None) == keyed
     if component == "router":
         assert args.policy == spec.router.policy
         settings = router_cli.settings_from_args(args)  # the flags also make valid settings
@@ -88,6 +95,8 @@ def test_rendered_command_line_parses(name, raw, component, tmp_path):
         # The client keys Secret, when the CR names one, is what the router checks.
         assert settings.auth.client_keys() == ({"a-client-key"} if spec.auth.api_keys_secret else set())
         assert settings.auth.isolate_tenants == spec.auth.isolate_tenants
+        # The InferencePool's endpointPickerRef names this port of the router Service.
+        assert args.ext_proc_port == (gw.EXT_PROC_PORT if spec.gateway.enabled else None)
 
 
 def test_router_policies_match_the_crd():

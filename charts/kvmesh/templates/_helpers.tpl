@@ -48,7 +48,7 @@ app.kubernetes.io/component: operator
   resources: [inferencedeployments/finalizers]
   verbs: [update]
 # Server-side apply: patch, and create for a child that does not exist yet.
-# No update or delete: removal is the garbage collector's job.
+# No update or delete of the fixed children: removal is the garbage collector's job.
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
@@ -58,6 +58,16 @@ app.kubernetes.io/component: operator
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch]
+{{- if .Values.rbac.gatewayObjects }}
+# spec.router.mode gateway: the InferencePool and HTTPRoute, deleted by the operator when the spec
+# stops asking for them (they are not always rendered).
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, create, patch, delete]
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes]
+  verbs: [get, create, patch, delete]
+{{- end }}
 # Each deployment's internal token: created once (never patched), read to authenticate drains.
 - apiGroups: [""]
   resources: [secrets]
