@@ -76,20 +76,6 @@ def crd_installed(cluster: Cluster) -> None:
                     "crd/inferencedeployments.serving.kvmesh.io")
 
 
-@pytest.fixture(scope="package")
-def gie_crds_installed(cluster: Cluster) -> Path:
-    """The Gateway API Inference Extension's CRDs (InferencePool and the x-k8s.io alpha kinds) from
-    the module version e2e/versions.env pins (GIE_VERSION), applied and Established. Returns the
-    EPP build directory (`epp` binary + `crds/`), built by e2e/build-binaries when missing."""
-    from .epp import gie_dir
-
-    d = gie_dir()
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(d / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/inferencepools.inference.networking.k8s.io")
-    return d
-
-
 RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted",
               "pod-security.kubernetes.io/enforce-version": "latest"}
 

@@ -25,7 +25,7 @@ POOL_API = ("inference.networking.k8s.io", "v1", "inferencepools")
 
 
 def gie_dir(build: bool = True) -> Path:
-    """The cached EPP build: ``epp`` and ``crds/`` of the same module version (built when missing)."""
+    """The cached EPP build directory, holding ``epp`` (built when missing)."""
     if build:
         subprocess.run([str(BUILD), "epp"], check=True)
     out = subprocess.run([str(BUILD), "--print-dirs", "epp"], capture_output=True, text=True, check=True).stdout
@@ -55,10 +55,11 @@ class EppProcess:
     def start(cls, binary: Path, kubeconfig: Path, namespace: str, pool: str, log_path: Path,
               timeout: float = 120) -> EppProcess:
         grpc, health, metrics = free_ports(3)
-        # Metrics without the apiserver's TokenReview (the test scrapes them directly); the gRPC
-        # port keeps its self-signed TLS, as deployed.
+        # Metrics without the apiserver's TokenReview (the test scrapes them directly), and gRPC in
+        # plaintext: deployed pickers serve TLS (self-signed by default), which the shared gateway
+        # config (engine/router/envoy_config.py) does not speak; the ext_proc protocol is the same.
         cmd = [str(binary), "--pool-name", pool, "--pool-namespace", namespace, "--grpc-port", str(grpc),
-               "--grpc-health-port", str(health), "--metrics-port", str(metrics),
+               "--grpc-health-port", str(health), "--metrics-port", str(metrics), "--secure-serving=false",
                "--metrics-endpoint-auth=false", "--zap-encoder", "console", "--v", "3"]
         env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
         with open(log_path, "wb") as log:

