@@ -30,9 +30,12 @@ from kvmesh.engine.disagg.prefill_side import PrefillRole
 from kvmesh.engine.kv.gather import scatter_blocks
 from kvmesh.engine.kv.events import KVEvent, KVEventLog
 from kvmesh.engine.kv.kv_manager import KVCacheManager
+from kvmesh.engine.kv.state_slots import StateSlots
 from kvmesh.engine.kv.tiers import KVTiers, TierSnapshot
 from kvmesh.engine.model.attention import AttentionBackend
 from kvmesh.engine.model.llama import LlamaModel
+from kvmesh.engine.model.qwen3_5 import Qwen35Model
+from kvmesh.engine.model.recurrent_state import StatePool
 from kvmesh.engine.model.loader import LoadedModel, load_model
 from kvmesh.engine.outputs import RequestMetrics, RequestOutput
 from kvmesh.engine.request import Request, RequestStatus
@@ -61,6 +64,10 @@ class EmptyPromptError(InvalidPromptError):
 class PromptTooLongError(ValueError):
     """The request exceeds a length limit (model length, KV cache, or with chunked prefill off
     the step budget); the message names the limit."""
+
+
+class UnsupportedForHybridError(ValueError):
+    """A feature this engine offers for attention-only models is not built for hybrid models yet."""
 
 
 class DuplicateRequestError(ValueError):
@@ -146,6 +153,15 @@ def _num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
     return n
 
 
+def _check_hybrid_config(cfg: EngineConfig) -> None:
+    """Refuse settings whose KV paths do not carry recurrent state yet (they would serve wrong tokens)."""
+    if cfg.cpu_kv_bytes or cfg.cache_node:
+        raise ConfigError(
+            "hybrid models cannot use the host KV tier or a cache node yet (recurrent state does not tier); "
+            "drop --cpu-kv-bytes / --cache-node"
+        )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  engine_id: str | None = None, debug_checks: bool = False) -> None:
@@ -171,21 +187,33 @@ class LLMEngine:
                 raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's {model_len}")
             model_len = cfg.max_model_len
         self.max_model_len = model_len
-        self.model = LlamaModel(self.model_config, self.loaded.weights, self.backend, self.dtype,
-                                self.device, max_position=model_len)
+        hybrid = self.is_hybrid = self.model_config.is_hybrid
+        if hybrid:
+            _check_hybrid_config(cfg)
+            self.model: LlamaModel | Qwen35Model = Qwen35Model(
+                self.model_config, self.loaded.weights, self.backend, self.dtype, self.device, max_position=model_len)
+            log.info("hybrid model: %d DeltaNet layers, %d attention layers; %d state slots of %d bytes",
+                     len(self.model_config.linear_layers), self.model_config.num_kv_layers, cfg.max_num_seqs,
+                     StatePool.bytes_per_slot(self.model_config, self.dtype.itemsize))
+        else:
+            self.model = LlamaModel(self.model_config, self.loaded.weights, self.backend, self.dtype,
+                                    self.device, max_position=model_len)
         self.loaded.weights = {}  # the model holds fused copies; drop the originals
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.dtype, seed=cfg.seed,
-                                  eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+                                  eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+                                  num_state_slots=cfg.max_num_seqs if hybrid else 0)
         self.grammars = GrammarCompiler(getattr(self.tokenizer, "hf", None), self.model_config.vocab_size,
                                         tuple(self.tokenizer.eos_token_ids))
-        if cfg.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton":
+        if cfg.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton" and not hybrid:
             sizes = tuple(b for b in cfg.cuda_graph_batch_sizes if b <= cfg.max_num_seqs)
             self.runner.capture_cuda_graphs(sizes, model_len)
         self.events = KVEventLog(self.engine_id)
         self.tiers: KVTiers | None = None
         self._kv_evictions = 0
+        # Hybrid models get no prefix hits: a hit would skip tokens whose recurrent state the
+        # engine does not have (state checkpoints would provide it; until then, no caching).
         self.kv = KVCacheManager(
-            num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+            num_blocks, cfg.block_size, cfg.enable_prefix_caching and not hybrid,
             extra_key(self.model_id, str(self.dtype).removeprefix("torch."),
                       cache_salt=cfg.cache_salt or None),
             on_event=self._on_kv_event, on_evict=self._on_evict,
@@ -195,8 +223,9 @@ class LLMEngine:
             from kvmesh.engine.kv.tier_setup import build_tiers
 
             self.tiers, self._cache_node = build_tiers(cfg, self.kv, self.runner.kv_cache, self.events.publish)
+        self.state_slots = StateSlots(cfg.max_num_seqs) if hybrid else None
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.enable_chunked_prefill, tiers=self.tiers)
+                                   cfg.enable_chunked_prefill, tiers=self.tiers, states=self.state_slots)
         self.prefill = PrefillRole(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout, self._on_step_thread)
         """The prefill side of handoffs (engine/disagg/prefill_side.py)."""
         self.decode = DecodeRole(DecodeTransfers(self.kv, self.write_blocks, cfg.kv_transfer_timeout,
@@ -299,6 +328,10 @@ class LLMEngine:
         ``DecodeClaim`` starts it from a completed transfer.
         """
         ids = self.check_request(prompt_token_ids, params)
+        if handoff is not None and self.is_hybrid:
+            raise UnsupportedForHybridError(
+                "prefill/decode handoffs do not carry recurrent state yet; serve hybrid models without disaggregation"
+            )
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator(device=self.device)
@@ -464,8 +497,11 @@ class LLMEngine:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
         block_ids = [self.kv.block_ids(s.request.request_id) for s in sched.seqs]
+        slots = None
+        if self.state_slots is not None:
+            slots = [self.state_slots.slot(s.request.request_id) for s in sched.seqs]
         try:
-            result = self.runner.execute(sched, block_ids)
+            result = self.runner.execute(sched, block_ids, slots)
         except Exception as exc:  # noqa: BLE001 - which request caused it is unknown: fail the batch
             return outputs + self._fail([s.request for s in sched.seqs], exc)
         full = self.scheduler.update_after_step(sched)
@@ -516,6 +552,11 @@ class LLMEngine:
         """KV manager and lower-tier invariants (O(blocks); tests and debug runs)."""
         self.kv.check_integrity()
         self.decode.check_integrity()
+        if self.state_slots is not None:
+            self.state_slots.check_integrity()
+            held = {r.request_id for r in self.scheduler.running}
+            owners = self.state_slots.owners()
+            assert owners == held, f"state slots held by {sorted(owners)}, running {sorted(held)}"
         if self.tiers is not None:
             self.tiers.check_integrity()
         leaked = set(self.runner.logits_processor.table.rows) - set(self._requests)

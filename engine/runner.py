@@ -15,13 +15,15 @@ from kvmesh.engine.prompt_logprobs import prompt_logprob_rows
 from kvmesh.engine.structured.masking import GrammarMasks
 from kvmesh.engine.model.attention import AttnMetadata
 from kvmesh.engine.model.llama import LlamaModel
+from kvmesh.engine.model.qwen3_5 import Qwen35Model
+from kvmesh.engine.model.recurrent_state import StateBatch, StatePool
 from kvmesh.engine.sampler import SampleResult, sample
 from kvmesh.engine.scheduler import SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, model: LlamaModel | Qwen35Model, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 seed: int = 0, eos_token_ids: tuple[int, ...] = (), num_state_slots: int = 0) -> None:
         c = model.config
         self.model = model
         self.device = model.device
@@ -30,10 +32,14 @@ class ModelRunner:
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]; empty, not zeros: unwritten
         # slots are never read (attention stops at seq_len). One extra block at index
         # num_blocks is scratch space for CUDA-graph padding rows; no request owns it.
+        # Only attention layers have KV (all layers, except in hybrid models).
         self.kv_cache = torch.empty(
-            (c.num_layers, 2, num_blocks + 1, block_size, c.num_kv_heads, c.head_dim),
+            (c.num_kv_layers, 2, num_blocks + 1, block_size, c.num_kv_heads, c.head_dim),
             dtype=kv_dtype, device=self.device,
         )
+        # Hybrid models: one slot of DeltaNet state per running request (slots assigned by the
+        # scheduler's StateSlots; the slot count is its capacity).
+        self.states = StatePool(c, num_state_slots, kv_dtype, self.device) if c.is_hybrid else None
         self.graphs: CudaGraphDecoder | None = None
         # Noise for requests without a seed of their own: one engine-wide stream, so the same
         # requests submitted in the same order sample the same tokens.
@@ -89,13 +95,25 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         return ids, meta
 
+    def state_batch(self, out: SchedulerOutput, slots: list[int] | None) -> StateBatch | None:
+        """The step's recurrent-state view (hybrid models), or None for attention-only models."""
+        if self.states is None:
+            return None
+        if slots is None or len(slots) != len(out.seqs):
+            raise ValueError("a hybrid model's step needs one state slot per scheduled sequence")
+        return StateBatch(self.states, list(slots), [s.num_computed_tokens > 0 for s in out.seqs],
+                          [s.num_new_tokens for s in out.seqs], out.num_decodes)
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_ids: list[list[int]]) -> SampleResult | None:
+    def execute(self, out: SchedulerOutput, block_ids: list[list[int]],
+                state_slots: list[int] | None = None) -> SampleResult | None:
         """Run one forward; sample for the sequences whose chunk ends at their last known token.
 
+        ``state_slots``: hybrid models only, each sequence's state slot (in ``out.seqs`` order).
         Returns tokens in the order of [s for s in out.seqs if s.produces_token].
         """
         ids, meta = self.prepare(out, block_ids)
+        extra = {} if self.states is None else {"state": self.state_batch(out, state_slots)}
         producing = [i for i, s in enumerate(out.seqs) if s.produces_token]
         reqs = [out.seqs[i].request for i in producing]
         masks = self.grammar_masks
@@ -108,15 +126,16 @@ class ModelRunner:
         g = self.graphs
         wanted = prompt_logprob_rows(out, meta.query_start_loc)
         if wanted is not None:  # prompt rows too: kept after the sampling rows
-            hidden = self.model.forward(ids, meta, self.kv_cache, keep=torch.cat([last, wanted.rows.to(last.device)]))
+            hidden = self.model.forward(ids, meta, self.kv_cache, keep=torch.cat([last, wanted.rows.to(last.device)]),
+                                        **extra)
             wanted.record(self.model, hidden[len(producing):])
             hidden = hidden[:len(producing)]
         elif g is not None and out.num_decodes == len(out.seqs) and g.padded_size(len(out.seqs)):
             hidden = g.run(ids, meta)[last]
         elif len(producing) == ids.shape[0]:  # decode-only step: every row is kept, in order
-            hidden = self.model.forward(ids, meta, self.kv_cache)
+            hidden = self.model.forward(ids, meta, self.kv_cache, **extra)
         else:
-            hidden = self.model.forward(ids, meta, self.kv_cache, keep=last)
+            hidden = self.model.forward(ids, meta, self.kv_cache, keep=last, **extra)
         if not producing:
             return None
         logits = self.model.compute_logits(hidden)

@@ -30,6 +30,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from kvmesh.engine.kv.kv_manager import CachedSegment, KVCacheManager
+from kvmesh.engine.kv.state_slots import StateSlots
 from kvmesh.engine.kv.tiers import KVTiers
 from kvmesh.engine.request import Request, RequestStatus
 
@@ -68,9 +69,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         tiers: KVTiers | None = None,
+        states: StateSlots | None = None,
     ) -> None:
         self.kv = kv
         self.tiers = tiers
+        # Hybrid models: a running request holds a recurrent-state slot (admission to finish or
+        # preemption); there are at least max_num_seqs slots, so a slot is always free to admit.
+        self.states = states
         self._deferred: list[Request] = []  # waiting on a cache-node fetch, out of the heap
         self._transferred: list[Request] = []  # KV received, blocks held: admitted first
         self.max_num_seqs = max_num_seqs
@@ -131,6 +136,8 @@ class Scheduler:
         req.finish_reason = reason
         if not keep_kv:
             self.kv.free(req.request_id)
+        if self.states is not None:
+            self.states.free(req.request_id)
         if self.tiers is not None:
             self.tiers.forget(req.request_id)
 
@@ -167,6 +174,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
+        if self.states is not None:  # the state is lost with the slot: recomputed from token 0
+            self.states.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -210,6 +219,8 @@ class Scheduler:
                     break
                 self._num_waiting -= 1
                 req.status = RequestStatus.RUNNING
+                if self.states is not None:
+                    self.states.allocate(req.request_id)
                 self.running.append(req)
                 scheduled.append(ScheduledSeq(req, num_new, req.num_computed_tokens))
                 budget -= num_new
@@ -254,6 +265,8 @@ class Scheduler:
                 heapq.heappop(self._waiting)
                 self._num_waiting -= 1
                 req.status = RequestStatus.RUNNING
+                if self.states is not None:
+                    self.states.allocate(req.request_id)
                 req.num_computed_tokens = num_computed + num_loaded
                 first_admission = req.num_cached_tokens < 0
                 if first_admission:

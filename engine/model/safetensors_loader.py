@@ -32,6 +32,11 @@ def check_weight_shapes(config: ModelConfig, weights: Mapping[str, torch.Tensor]
     (untied) head, so a truncated or mismatched checkpoint never reaches the forward.
     """
     c = config
+    if c.is_hybrid:
+        from .qwen3_5 import hybrid_weight_shapes
+
+        _check_expected(hybrid_weight_shapes(c), weights, source, c)
+        return
     q, kv, h, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
     expect: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_word_embeddings:
@@ -57,6 +62,11 @@ def check_weight_shapes(config: ModelConfig, weights: Mapping[str, torch.Tensor]
             }
         if c.qk_norm:
             expect |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
+    _check_expected(expect, weights, source, c)
+
+
+def _check_expected(expect: Mapping[str, tuple[int, ...]], weights: Mapping[str, torch.Tensor], source: object,
+                    c: ModelConfig) -> None:
     for key, shape in expect.items():
         if key not in weights:
             raise ModelLoadError(
@@ -139,6 +149,8 @@ def load_safetensors_dir(
                     weights[key] = f.get_tensor(key).to(dtype)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"could not read {shard}: {e}") from None
+    # Hybrid checkpoints may carry a multi-token-prediction head kvmesh does not run.
+    weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")} if config.is_hybrid else weights
     # A bare LlamaModel checkpoint (no causal-LM head wrapper) stores names without "model.".
     if not any(k.startswith("model.") for k in weights):
         weights = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in weights.items()}

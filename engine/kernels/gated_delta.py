@@ -1,0 +1,130 @@
+"""Gated DeltaNet math (Qwen3.5 / Qwen3-Next linear attention): the short causal conv and the
+gated delta rule, as torch references over batches of sequences.
+
+The recurrence, per value head, with state ``S [Dk, Dv]``, decay ``g <= 0`` (log space) and
+write strength ``beta in (0, 1)``::
+
+    S_t = exp(g_t) * S_{t-1}
+    S_t = S_t + k_t (beta_t (v_t - k_t^T S_t))^T        (the delta rule: write only the error)
+    o_t = S_t^T q_t
+
+``recurrent_step`` runs it for one token of many sequences (decode). ``chunked`` runs whole
+prompts: within a chunk of C tokens the C sequential writes collapse into triangular solves
+and matmuls (the WY / UT form), and only the chunks are walked in order, so there is no
+per-token Python loop. Both start from a given state and return the final one, which is what
+lets a prompt be prefilled in pieces, resumed after a step, or restored from a checkpoint.
+
+Inputs are expected already L2-normalised (q, k), q already scaled by ``Dk ** -0.5``, and
+grouped heads already expanded, all in fp32: the caller owns those steps so the state stays
+in fp32 whatever the model dtype. ``GatedDeltaKernels`` is the seam a Triton implementation
+of the chunked scan would plug into (same signatures); the torch functions are the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (the FLA library's and transformers' form)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over one sequence's new inputs.
+
+    x [T, C]; weight [C, K]; state [C, K-1], the inputs before x (zeros at a sequence's start).
+    Returns (y [T, C], new state [C, K-1]: the last K-1 inputs, older state included when T < K-1).
+    """
+    t = x.shape[0]
+    kw = weight.shape[1]
+    full = torch.cat([state.to(x.dtype), x.t()], dim=1)  # [C, K-1+T]
+    y = F.conv1d(full.unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])[0]  # [C, T]
+    assert y.shape[1] == t
+    return F.silu(y).t(), full[:, full.shape[1] - (kw - 1):]
+
+
+def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new input per sequence: x [B, C], states [B, C, K-1] -> (y [B, C], new states [B, C, K-1])."""
+    window = torch.cat([states.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, K]
+    y = (window * weight.unsqueeze(0)).sum(-1)
+    return F.silu(y), window[..., 1:]
+
+
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence. q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dk, Dv].
+
+    Returns (out [B, H, Dv], new state); ``state`` is not modified.
+    """
+    s = state * g.exp()[..., None, None]
+    kv_mem = (s * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (s * q.unsqueeze(-1)).sum(dim=-2), s
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole sequences at once. q, k [B, H, T, Dk]; v [B, H, T, Dv]; g, beta [B, H, T];
+    state [B, H, Dk, Dv]. Returns (out [B, H, T, Dv], final state [B, H, Dk, Dv]).
+
+    Sequences of different lengths may share a call right-padded with zeros: a padded
+    position has k = v = 0 and beta = g = 0, so it leaves the state unchanged (decay 1, no
+    write) and the final state is that after each sequence's last real token.
+    """
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (t + pad) // chunk
+    q, k, v = (x.reshape(b, h, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
+    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    cum = g.cumsum(dim=-1)  # log of the decay from the chunk's start through each position
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    # decay[i, j] = exp(cum_i - cum_j) for j <= i: what survives from position j to i.
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    # (I + strictly-lower part of A) is the UT system; its diagonal is taken as 1.
+    a = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(a, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(a, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * cum.exp().unsqueeze(-1)
+    k_dec = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    out = torch.empty(b, h, n, chunk, dv, dtype=v.dtype, device=v.device)
+    s = state.to(v.dtype)
+    for i in range(n):  # chunks only: each depends on the state the previous one left
+        v_new = u[:, :, i] - w[:, :, i] @ s
+        out[:, :, i] = q_dec[:, :, i] @ s + attn[:, :, i] @ v_new
+        s = s * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
+    return out.reshape(b, h, n * chunk, dv)[:, :, :t], s
+
+
+@dataclass(frozen=True)
+class GatedDeltaKernels:
+    """The DeltaNet layer's kernels, chosen once per engine. A GPU build would put a Triton
+    chunked scan (and step) here with the same signatures; kvmesh ships the torch reference
+    only, which runs on any device."""
+
+    name: str
+    chunked: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    recurrent_step: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    conv_prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    conv_step: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def gated_delta_kernels(name: str = "torch") -> GatedDeltaKernels:
+    """The kernel set called ``name``; only "torch" exists (used on CPU and, for now, on CUDA)."""
+    if name != "torch":
+        raise ValueError(f"no gated DeltaNet kernels called {name!r}; kvmesh has 'torch'")
+    return GatedDeltaKernels("torch", chunked, recurrent_step, causal_conv_prefill, causal_conv_step)
