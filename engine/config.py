@@ -103,6 +103,14 @@ class EngineConfig:
         0, "--cpu-kv-bytes", group=KV, type=parse_size, metavar="SIZE",
         help="host KV tier, e.g. 8GiB: blocks evicted from the KV pool are kept in host memory and loaded "
              "back on a prefix hit (default: off)")
+    state_checkpoint_interval: int = setting(
+        1024, "--state-checkpoint-interval", group=KV, type=int, metavar="TOKENS",
+        help="hybrid models: also checkpoint the recurrent state every TOKENS tokens (a multiple of the block "
+             "size; 0: only at the end of each prompt and each generation) (default: %(default)s)")
+    state_checkpoint_bytes: int = setting(
+        512 << 20, "--state-checkpoint-bytes", group=KV, type=parse_size, metavar="SIZE",
+        help="hybrid models: memory for recurrent-state checkpoints, whose count bounds prefix hits; 0 turns "
+             "checkpoints and so hybrid prefix caching off (default: 512MiB)")
     cache_node: str | None = None  # the CLI's --cache-node, checked in server/cli.py
     auth_token_file: str | None = None  # the CLI's --auth-token-file: the engine's calls to the cache node carry it
     cache_node_timeout: float = setting(
@@ -160,6 +168,11 @@ class EngineConfig:
             raise ConfigError("a host KV tier or a cache node needs prefix caching; enable it")
         if self.cache_node_timeout <= 0:
             raise ConfigError(f"cache_node_timeout must be > 0 seconds, got {self.cache_node_timeout}")
+        if self.state_checkpoint_interval < 0 or self.state_checkpoint_interval % self.block_size:
+            raise ConfigError(f"state_checkpoint_interval must be 0 or a multiple of the block size "
+                              f"({self.block_size}), got {self.state_checkpoint_interval}")
+        if not isinstance(self.state_checkpoint_bytes, int) or self.state_checkpoint_bytes < 0:
+            raise ConfigError(f"state_checkpoint_bytes must be a byte count >= 0, got {self.state_checkpoint_bytes!r}")
         if not isinstance(self.kv_transfer_reserve_tokens, int) or self.kv_transfer_reserve_tokens < 0:
             raise ConfigError(f"kv_transfer_reserve_tokens must be >= 0, got {self.kv_transfer_reserve_tokens!r}")
         if self.kv_transfer_timeout <= 0:

@@ -30,7 +30,8 @@ from kvmesh.engine.disagg.prefill_side import PrefillRole
 from kvmesh.engine.kv.gather import scatter_blocks
 from kvmesh.engine.kv.events import KVEvent, KVEventLog
 from kvmesh.engine.kv.kv_manager import KVCacheManager
-from kvmesh.engine.kv.state_slots import StateSlots
+from kvmesh.engine.kv.hybrid_state import HybridStateManager, StepStatePlan
+from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, CheckpointStats
 from kvmesh.engine.kv.tiers import KVTiers, TierSnapshot
 from kvmesh.engine.model.attention import AttentionBackend
 from kvmesh.engine.model.llama import LlamaModel
@@ -123,6 +124,8 @@ class EngineStats:
     kv_transfer_blocks_reserved: int = 0
     kv_handoffs_held: int = 0
     kv_transfer_timeouts: int = 0
+    # Hybrid models: the recurrent-state checkpoint pool (None without one).
+    state_checkpoints: CheckpointStats | None = None
 
 
 def _pick_backend(cfg: EngineConfig, device: torch.device) -> str:
@@ -188,20 +191,25 @@ class LLMEngine:
             model_len = cfg.max_model_len
         self.max_model_len = model_len
         hybrid = self.is_hybrid = self.model_config.is_hybrid
+        num_checkpoints = 0
         if hybrid:
             _check_hybrid_config(cfg)
             self.model: LlamaModel | Qwen35Model = Qwen35Model(
                 self.model_config, self.loaded.weights, self.backend, self.dtype, self.device, max_position=model_len)
-            log.info("hybrid model: %d DeltaNet layers, %d attention layers; %d state slots of %d bytes",
-                     len(self.model_config.linear_layers), self.model_config.num_kv_layers, cfg.max_num_seqs,
-                     StatePool.bytes_per_slot(self.model_config, self.dtype.itemsize))
+            state_bytes = StatePool.bytes_per_slot(self.model_config, self.dtype.itemsize)
+            if cfg.enable_prefix_caching:
+                num_checkpoints = cfg.state_checkpoint_bytes // state_bytes
+            log.info("hybrid model: %d DeltaNet layers, %d attention layers; %d state slots and %d checkpoints "
+                     "of %d bytes each", len(self.model_config.linear_layers), self.model_config.num_kv_layers,
+                     cfg.max_num_seqs, num_checkpoints, state_bytes)
         else:
             self.model = LlamaModel(self.model_config, self.loaded.weights, self.backend, self.dtype,
                                     self.device, max_position=model_len)
         self.loaded.weights = {}  # the model holds fused copies; drop the originals
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.dtype, seed=cfg.seed,
                                   eos_token_ids=tuple(self.tokenizer.eos_token_ids),
-                                  num_state_slots=cfg.max_num_seqs if hybrid else 0)
+                                  num_state_slots=cfg.max_num_seqs if hybrid else 0,
+                                  num_state_checkpoints=num_checkpoints)
         self.grammars = GrammarCompiler(getattr(self.tokenizer, "hf", None), self.model_config.vocab_size,
                                         tuple(self.tokenizer.eos_token_ids))
         if cfg.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton" and not hybrid:
@@ -210,10 +218,10 @@ class LLMEngine:
         self.events = KVEventLog(self.engine_id)
         self.tiers: KVTiers | None = None
         self._kv_evictions = 0
-        # Hybrid models get no prefix hits: a hit would skip tokens whose recurrent state the
-        # engine does not have (state checkpoints would provide it; until then, no caching).
+        # A hybrid model gets prefix hits only with checkpoints: a hit must also restore the
+        # recurrent state at its end, which cannot be rebuilt from KV.
         self.kv = KVCacheManager(
-            num_blocks, cfg.block_size, cfg.enable_prefix_caching and not hybrid,
+            num_blocks, cfg.block_size, cfg.enable_prefix_caching and (not hybrid or num_checkpoints > 0),
             extra_key(self.model_id, str(self.dtype).removeprefix("torch."),
                       cache_salt=cfg.cache_salt or None),
             on_event=self._on_kv_event, on_evict=self._on_evict,
@@ -223,7 +231,13 @@ class LLMEngine:
             from kvmesh.engine.kv.tier_setup import build_tiers
 
             self.tiers, self._cache_node = build_tiers(cfg, self.kv, self.runner.kv_cache, self.events.publish)
-        self.state_slots = StateSlots(cfg.max_num_seqs) if hybrid else None
+        self.state_slots: HybridStateManager | None = None
+        if hybrid:
+            ckpts = None
+            if num_checkpoints:
+                ckpts = CheckpointIndex(num_checkpoints, StatePool.bytes_per_slot(self.model_config, self.dtype.itemsize))
+            self.state_slots = HybridStateManager(cfg.max_num_seqs, cfg.block_size, ckpts,
+                                                  cfg.state_checkpoint_interval)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, tiers=self.tiers, states=self.state_slots)
         self.prefill = PrefillRole(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout, self._on_step_thread)
@@ -497,13 +511,15 @@ class LLMEngine:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
         block_ids = [self.kv.block_ids(s.request.request_id) for s in sched.seqs]
-        slots = None
-        if self.state_slots is not None:
-            slots = [self.state_slots.slot(s.request.request_id) for s in sched.seqs]
+        plan = self._state_plan(sched)
         try:
-            result = self.runner.execute(sched, block_ids, slots)
+            result = self.runner.execute(sched, block_ids, plan)
         except Exception as exc:  # noqa: BLE001 - which request caused it is unknown: fail the batch
+            if plan is not None:
+                self.state_slots.abort(plan)
             return outputs + self._fail([s.request for s in sched.seqs], exc)
+        if plan is not None:  # before any request finishes: a finish publishes what this step wrote
+            self.state_slots.commit(plan)
         full = self.scheduler.update_after_step(sched)
         if self.tiers is not None:
             saved = self.tiers.after_step(full)
@@ -548,6 +564,14 @@ class LLMEngine:
             self.check_integrity()
         return outputs
 
+    def _state_plan(self, sched) -> StepStatePlan | None:
+        """Hybrid models: the step's slots, checkpoint restores and captures."""
+        if self.state_slots is None:
+            return None
+        seqs = [(s.request.request_id, s.request.all_token_ids, s.request.kv_root, s.request.num_prompt_tokens,
+                 s.num_computed_tokens, s.num_new_tokens) for s in sched.seqs]
+        return self.state_slots.plan(seqs, lambda rid, toks, root, n: self.kv.extend_chain(rid, toks, n, root))
+
     def check_integrity(self) -> None:
         """KV manager and lower-tier invariants (O(blocks); tests and debug runs)."""
         self.kv.check_integrity()
@@ -589,4 +613,5 @@ class LLMEngine:
             kv_transfer_blocks_reserved=self.decode.reserved_blocks,
             kv_handoffs_held=len(self.prefill),
             kv_transfer_timeouts=self.decode.timeouts + self.prefill.timeouts,
+            state_checkpoints=self.state_slots.stats() if self.state_slots is not None else None,
         )

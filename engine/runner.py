@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvmesh.engine.cuda_graphs import CudaGraphDecoder
+from kvmesh.engine.kv.hybrid_state import StepStatePlan
 from kvmesh.engine.logits_processing import LogitsProcessor
 from kvmesh.engine.prompt_logprobs import prompt_logprob_rows
 from kvmesh.engine.structured.masking import GrammarMasks
@@ -23,7 +24,8 @@ from kvmesh.engine.scheduler import SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model: LlamaModel | Qwen35Model, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 seed: int = 0, eos_token_ids: tuple[int, ...] = (), num_state_slots: int = 0) -> None:
+                 seed: int = 0, eos_token_ids: tuple[int, ...] = (), num_state_slots: int = 0,
+                 num_state_checkpoints: int = 0) -> None:
         c = model.config
         self.model = model
         self.device = model.device
@@ -39,7 +41,7 @@ class ModelRunner:
         )
         # Hybrid models: one slot of DeltaNet state per running request (slots assigned by the
         # scheduler's StateSlots; the slot count is its capacity).
-        self.states = StatePool(c, num_state_slots, kv_dtype, self.device) if c.is_hybrid else None
+        self.states = StatePool(c, num_state_slots, kv_dtype, self.device, num_state_checkpoints) if c.is_hybrid else None
         self.graphs: CudaGraphDecoder | None = None
         # Noise for requests without a seed of their own: one engine-wide stream, so the same
         # requests submitted in the same order sample the same tokens.
@@ -95,25 +97,29 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         return ids, meta
 
-    def state_batch(self, out: SchedulerOutput, slots: list[int] | None) -> StateBatch | None:
-        """The step's recurrent-state view (hybrid models), or None for attention-only models."""
+    def state_batch(self, out: SchedulerOutput, plan: StepStatePlan | None) -> StateBatch | None:
+        """Restore the plan's checkpoints into their slots and return the step's recurrent-state
+        view (hybrid models); None for attention-only models."""
         if self.states is None:
             return None
-        if slots is None or len(slots) != len(out.seqs):
+        if plan is None or len(plan.slots) != len(out.seqs):
             raise ValueError("a hybrid model's step needs one state slot per scheduled sequence")
-        return StateBatch(self.states, list(slots), [s.num_computed_tokens > 0 for s in out.seqs],
-                          [s.num_new_tokens for s in out.seqs], out.num_decodes)
+        for entry, slot in plan.restores:
+            self.states.restore(entry, slot)
+        return StateBatch(self.states, list(plan.slots), [s.num_computed_tokens > 0 for s in out.seqs],
+                          [s.num_new_tokens for s in out.seqs], out.num_decodes,
+                          captures=plan.captures or None)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_ids: list[list[int]],
-                state_slots: list[int] | None = None) -> SampleResult | None:
+                state_plan: StepStatePlan | None = None) -> SampleResult | None:
         """Run one forward; sample for the sequences whose chunk ends at their last known token.
 
-        ``state_slots``: hybrid models only, each sequence's state slot (in ``out.seqs`` order).
+        ``state_plan``: hybrid models only, the sequences' slots, restores and checkpoint captures.
         Returns tokens in the order of [s for s in out.seqs if s.produces_token].
         """
         ids, meta = self.prepare(out, block_ids)
-        extra = {} if self.states is None else {"state": self.state_batch(out, state_slots)}
+        extra = {} if self.states is None else {"state": self.state_batch(out, state_plan)}
         producing = [i for i, s in enumerate(out.seqs) if s.produces_token]
         reqs = [out.seqs[i].request for i in producing]
         masks = self.grammar_masks

@@ -30,7 +30,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from kvmesh.engine.kv.kv_manager import CachedSegment, KVCacheManager
-from kvmesh.engine.kv.state_slots import StateSlots
+from kvmesh.engine.kv.hybrid_state import HybridStateManager
 from kvmesh.engine.kv.tiers import KVTiers
 from kvmesh.engine.request import Request, RequestStatus
 
@@ -69,12 +69,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         tiers: KVTiers | None = None,
-        states: StateSlots | None = None,
+        states: HybridStateManager | None = None,
     ) -> None:
         self.kv = kv
         self.tiers = tiers
         # Hybrid models: a running request holds a recurrent-state slot (admission to finish or
-        # preemption); there are at least max_num_seqs slots, so a slot is always free to admit.
+        # preemption); there are max_num_seqs slots, so a slot is always free to admit. A prefix
+        # hit is cut back to the last boundary with a state checkpoint, restored at admission.
         self.states = states
         self._deferred: list[Request] = []  # waiting on a cache-node fetch, out of the heap
         self._transferred: list[Request] = []  # KV received, blocks held: admitted first
@@ -233,6 +234,10 @@ class Scheduler:
                 else:
                     computed_blocks, num_computed = self.kv.get_computed_blocks(req.request_id, req.all_token_ids,
                                                                                 req.kv_root)
+                restore = None
+                if self.states is not None and computed_blocks:
+                    keep, restore = self.states.hit(self.kv.chain(req.request_id), len(computed_blocks))
+                    computed_blocks, num_computed = computed_blocks[:keep], keep * self.kv.block_size
                 hits = None
                 if self.tiers is not None and self.kv.enable_caching and not req.collects_prompt_logprobs:
                     hits = self.tiers.lookup(req.request_id, req.num_tokens, len(computed_blocks))
@@ -266,7 +271,7 @@ class Scheduler:
                 self._num_waiting -= 1
                 req.status = RequestStatus.RUNNING
                 if self.states is not None:
-                    self.states.allocate(req.request_id)
+                    self.states.allocate(req.request_id, restore)
                 req.num_computed_tokens = num_computed + num_loaded
                 first_admission = req.num_cached_tokens < 0
                 if first_admission:

@@ -54,6 +54,7 @@ def deltanet_mix(x: torch.Tensor, w: DeltaNetWeights, spec: LinearAttnSpec, laye
     g = w.neg_a * F.softplus(ba[:, hv:].float() + w.dt_bias)  # log decay, <= 0
 
     # -- short causal conv ------------------------------------------------------------------
+    kw = w.conv.shape[1]
     conv_out = torch.empty_like(mixed)
     if nd:
         slots = batch.slots_t[:nd]
@@ -63,6 +64,11 @@ def deltanet_mix(x: torch.Tensor, w: DeltaNetWeights, spec: LinearAttnSpec, laye
     for i in range(nd, len(batch.slots)):  # per prefill sequence, never per token
         n, slot = batch.query_lens[i], batch.slots[i]
         prev = conv_state[slot] if batch.has_initial[i] else torch.zeros_like(conv_state[slot])
+        inner = [(c, e) for c, e in batch.captures[i] if c < n]
+        if inner:  # conv state after c of this step's inputs: the K-1 inputs before token c
+            hist = torch.cat([prev, mixed[start:start + n].t()], dim=1)
+            for c, e in inner:
+                pool.ckpt_conv[layer, e] = hist[:, c:c + kw - 1]
         conv_out[start:start + n], conv_state[slot] = kernels.conv_prefill(mixed[start:start + n], w.conv, prev)
         start += n
 
@@ -80,18 +86,52 @@ def deltanet_mix(x: torch.Tensor, w: DeltaNetWeights, spec: LinearAttnSpec, laye
         prev = ssm_state[slots] * batch.initial_mask[:nd, None, None, None]
         core[:nd], ssm_state[slots] = kernels.recurrent_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], prev)
     if nd < len(batch.slots):
-        lens = batch.query_lens[nd:]
-        slots = batch.slots_t[nd:]
-        init = ssm_state[slots] * batch.initial_mask[nd:, None, None, None]
-        longest = max(lens)
-        # [P, H, T_max, ...], right-padded with zeros (a no-op for the state).
-        def pad(a: torch.Tensor) -> torch.Tensor:
-            return torch.nn.utils.rnn.pad_sequence(list(a[nd:].split(lens)), batch_first=True).transpose(1, 2)
-
-        out, final = kernels.chunked(pad(q), pad(k), pad(v), pad(g), pad(beta), init)
-        ssm_state[slots] = final
-        out = out.transpose(1, 2)  # [P, T_max, H, Dv]
-        mask = torch.arange(longest, device=x.device)[None, :] < torch.tensor(lens, device=x.device)[:, None]
-        core[nd:] = out[mask]
+        _prefill_delta(q, k, v, g, beta, core, batch, layer, kernels)
+    # Captures at the end of a sequence's chunk: its final state, now in its slot.
+    for i, caps in enumerate(batch.captures):
+        if caps and caps[-1][0] == batch.query_lens[i]:
+            e, slot = caps[-1][1], batch.slots[i]
+            pool.ckpt_conv[layer, e] = conv_state[slot]
+            pool.ckpt_ssm[layer, e] = ssm_state[slot]
     core = gated_rms_norm(core.to(x.dtype).reshape(t * hv, dv), w.norm, z.reshape(t * hv, dv), eps)
     return w.out(core.reshape(t, hv * dv))
+
+
+def _prefill_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   core: torch.Tensor, batch: StateBatch, layer: int, kernels: GatedDeltaKernels) -> None:
+    """The chunked delta rule over the prefill sequences (rows after the decodes), writing ``core``.
+
+    Sequences run together, right-padded. A capture inside a sequence's chunk splits it there:
+    round r runs every sequence's r-th segment, so the state at each cut is in hand to copy.
+    Without captures there is exactly one round.
+    """
+    nd, pool = batch.num_decodes, batch.pool
+    ssm_state = pool.ssm[layer]
+    lens = batch.query_lens[nd:]
+    slots = batch.slots_t[nd:]
+    first = [nd]
+    for n in lens[:-1]:
+        first.append(first[-1] + n)
+    cuts = [[(c, e) for c, e in batch.captures[nd + j] if c < n] for j, n in enumerate(lens)]
+    ends = [[c for c, _ in cuts[j]] + [n] for j, n in enumerate(lens)]
+    state = ssm_state[slots] * batch.initial_mask[nd:, None, None, None]
+    begin = [0] * len(lens)
+    for r in range(max(len(e) for e in ends)):
+        active = [j for j in range(len(lens)) if r < len(ends[j])]
+        pieces = [(first[j] + begin[j], first[j] + ends[j][r]) for j in active]
+        seg_lens = [b - a for a, b in pieces]
+
+        def pad(a: torch.Tensor) -> torch.Tensor:  # [P, H, T_max, ...]; zero padding leaves states intact
+            return torch.nn.utils.rnn.pad_sequence([a[s:e] for s, e in pieces], batch_first=True).transpose(1, 2)
+
+        idx = torch.tensor(active, dtype=torch.int64, device=q.device)
+        out, final = kernels.chunked(pad(q), pad(k), pad(v), pad(g), pad(beta), state[idx])
+        state[idx] = final
+        out = out.transpose(1, 2)  # [P, T_max, H, Dv]
+        mask = torch.arange(max(seg_lens), device=q.device)[None, :] < torch.tensor(seg_lens, device=q.device)[:, None]
+        core[torch.cat([torch.arange(a, b, device=q.device) for a, b in pieces])] = out[mask]
+        for pos, j in enumerate(active):
+            if r < len(cuts[j]):
+                pool.ckpt_ssm[layer, cuts[j][r][1]] = final[pos]
+            begin[j] = ends[j][r]
+    ssm_state[slots] = state

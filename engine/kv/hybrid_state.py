@@ -1,0 +1,167 @@
+"""Recurrent state of a hybrid model's requests: slots, checkpoints and what each step does with them.
+
+The scheduler calls ``hit`` / ``allocate`` / ``free`` (admission, finish, preemption); the
+engine calls ``plan`` before the forward pass and ``commit`` (or ``abort``) after it. A plan
+names, per scheduled sequence, its slot, the checkpoint to restore into that slot before the
+forward, and the checkpoint entries the forward writes at block boundaries inside the step
+(``checkpoint.capture_points``). Entries written by a step are published only once the
+step succeeded.
+
+A prefix hit on a hybrid model is the longest prefix whose attention blocks are all cached
+and whose end has a checkpoint: the state there is restored into the request's slot and only
+the suffix is computed. Without a checkpoint pool there are no hybrid prefix hits at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.engine.block_hash import BlockHash
+from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, CheckpointStats, capture_points
+from kvmesh.engine.kv.state_slots import StateSlots
+
+# (request id, all tokens, root, number of blocks) -> the request's first chain hashes
+ChainFn = Callable[[str, Sequence[int], bytes, int], list[BlockHash]]
+
+
+@dataclass
+class StepStatePlan:
+    """One step's state work. Invariant: len(slots) == len(captures) == number of sequences."""
+
+    slots: list[int]
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint entry, slot), before the forward
+    captures: list[list[tuple[int, int]]] = field(default_factory=list)  # per seq: (tokens into its chunk, entry)
+    publish: list[tuple[int, BlockHash]] = field(default_factory=list)
+    pending: list[tuple[str, int, BlockHash]] = field(default_factory=list)
+    unpin: list[int] = field(default_factory=list)
+
+
+class HybridStateManager:
+    def __init__(self, num_slots: int, block_size: int, checkpoints: CheckpointIndex | None = None,
+                 interval: int = 0) -> None:
+        if interval < 0 or interval % block_size:
+            raise ValueError(f"the state checkpoint interval must be a multiple of the block size "
+                             f"({block_size}), got {interval}")
+        self.slots = StateSlots(num_slots)
+        self.checkpoints = checkpoints
+        self.block_size = block_size
+        self.interval = interval
+        self._restores: list[tuple[int, int]] = []  # admitted this step, not yet planned
+        self._pending: dict[str, tuple[int, BlockHash]] = {}
+
+    @property
+    def caching(self) -> bool:
+        """True when prefix hits are possible (there is a checkpoint pool)."""
+        return self.checkpoints is not None
+
+    # ---- scheduler side ------------------------------------------------------------------
+    def hit(self, hashes: Sequence[BlockHash], num_kv_blocks: int) -> tuple[int, int | None]:
+        """(blocks, entry): the longest prefix of ``num_kv_blocks`` cached KV blocks whose last
+        block has a checkpoint, and that checkpoint's entry; (0, None) when there is none."""
+        if self.checkpoints is None:
+            return 0, None
+        for j in range(num_kv_blocks, 0, -1):
+            idx = self.checkpoints.lookup(hashes[j - 1])
+            if idx is not None:
+                return j, idx
+        return 0, None
+
+    def allocate(self, request_id: str, restore: int | None = None) -> int:
+        """Give an admitted request a slot; ``restore``: the checkpoint entry its hit resumes from
+        (pinned until the step that copies it has run)."""
+        slot = self.slots.allocate(request_id)
+        if restore is not None:
+            assert self.checkpoints is not None
+            self.checkpoints.pin(restore)
+            self._restores.append((restore, slot))
+            self.checkpoints.stats.restores += 1
+        return slot
+
+    def free(self, request_id: str) -> None:
+        """The request finished or was preempted: publish the state it kept at its last boundary
+        (a restore point for a turn that extends it), then give its slot back."""
+        held = self._pending.pop(request_id, None)
+        if held is not None and self.checkpoints is not None:
+            self.checkpoints.publish(*held)
+        self.slots.free(request_id)
+
+    def slot(self, request_id: str) -> int:
+        return self.slots.slot(request_id)
+
+    def owners(self) -> set[str]:
+        return self.slots.owners()
+
+    # ---- engine side ---------------------------------------------------------------------
+    def plan(self, seqs: Sequence[tuple[str, Sequence[int], bytes, int, int, int]], chain: ChainFn) -> StepStatePlan:
+        """``seqs``: per scheduled sequence (request id, all tokens, chain root, prompt length,
+        tokens computed before the step, tokens this step)."""
+        plan = StepStatePlan(slots=[self.slots.slot(s[0]) for s in seqs], restores=self._restores)
+        plan.unpin = [idx for idx, _ in self._restores]
+        self._restores = []
+        ck = self.checkpoints
+        for rid, tokens, root, num_prompt, start, n in seqs:
+            caps: list[tuple[int, int]] = []
+            plan.captures.append(caps)
+            if ck is None:
+                continue
+            published, pending = capture_points(start, start + n, num_prompt, self.block_size, self.interval)
+            points = published + ([pending] if pending is not None else [])
+            if not points:
+                continue
+            hashes = chain(rid, tokens, root, max(points) // self.block_size)
+            for b in published:
+                h = hashes[b // self.block_size - 1]
+                if h in ck:
+                    ck.lookup(h)  # already held (e.g. recomputed after preemption): refresh only
+                    continue
+                idx = ck.reserve()
+                if idx is not None:
+                    caps.append((b - start, idx))
+                    plan.publish.append((idx, h))
+            if pending is not None:
+                idx = ck.reserve()
+                if idx is not None:
+                    caps.append((pending - start, idx))
+                    plan.pending.append((rid, idx, hashes[pending // self.block_size - 1]))
+            elif any(b > (num_prompt - 1) // self.block_size * self.block_size for b in published):
+                old = self._pending.pop(rid, None)  # superseded by a published point past it
+                if old is not None:
+                    ck.release(old[0])
+            caps.sort()
+        return plan
+
+    def commit(self, plan: StepStatePlan) -> None:
+        """The step ran: its captures hold valid state; publish them, keep the pending ones."""
+        ck = self.checkpoints
+        for idx in plan.unpin:
+            ck.unpin(idx)
+        for idx, h in plan.publish:
+            ck.publish(idx, h)
+        for rid, idx, h in plan.pending:
+            old = self._pending.get(rid)
+            if old is not None:
+                ck.release(old[0])
+            self._pending[rid] = (idx, h)
+
+    def abort(self, plan: StepStatePlan) -> None:
+        """The step failed: nothing it wrote is valid."""
+        ck = self.checkpoints
+        if ck is None:
+            return
+        for idx in plan.unpin:
+            ck.unpin(idx)
+        for idx, _ in plan.publish:
+            ck.release(idx)
+        for _, idx, _ in plan.pending:
+            ck.release(idx)
+
+    def stats(self) -> CheckpointStats | None:
+        return self.checkpoints.snapshot() if self.checkpoints is not None else None
+
+    def check_integrity(self) -> None:
+        self.slots.check_integrity()
+        if self.checkpoints is not None:
+            self.checkpoints.check_integrity()
+            stray = set(self._pending) - self.slots.owners()
+            assert not stray, f"requests without a slot keep pending checkpoints: {sorted(stray)}"
