@@ -1,0 +1,101 @@
+"""Recurrent-state checkpoint bookkeeping: the capture policy, the LRU index, state slots and the
+per-step plan (engine/kv/state_checkpoints.py, state_slots.py, hybrid_state.py).
+
+Real: the classes the engine uses, driven directly; hashes are the engine's block hashes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.engine.block_hash import ROOT_HASH, hash_block
+from kvmesh.engine.kv.hybrid_state import HybridStateManager
+from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, capture_points
+from kvmesh.engine.kv.state_slots import StateSlots, StateSlotsExhausted
+
+
+def _hashes(tokens, bs=4, extra=b"m"):
+    out, prev = [], ROOT_HASH
+    for i in range(len(tokens) // bs):
+        prev = hash_block(prev, tokens[i * bs:(i + 1) * bs], extra)
+        out.append(prev)
+    return out
+
+
+@pytest.mark.parametrize("start, end, prompt, interval, want", [
+    (0, 10, 10, 0, ([8], None)),  # prompt end: (10 - 1) // 4 * 4 = 8
+    (0, 9, 9, 0, ([8], None)),
+    (0, 10, 10, 4, ([4, 8], None)),  # every block
+    (0, 3, 10, 0, ([], None)),  # no boundary crossed
+    (8, 16, 10, 0, ([], 16)),  # generation region: the last boundary is held, published at finish
+    (11, 12, 10, 0, ([], 12)),  # a decode step reaching a boundary
+    (8, 17, 10, 8, ([16], None)),  # a published interval point past the prompt supersedes the held one
+    (0, 40, 10, 16, ([8, 16, 32], 40)),
+    (0, 4, 1, 0, ([], 4)),  # a 1-token prompt has no prompt boundary
+])
+def test_capture_points(start, end, prompt, interval, want):
+    """Which boundaries a step checkpoints, for prompt, interval and generation-end points."""
+    assert capture_points(start, end, prompt, 4, interval) == want
+
+
+def test_index_lru_pins_and_content_addressing():
+    """Publishing a held hash frees the duplicate; eviction takes the least recently used unpinned entry."""
+    idx = CheckpointIndex(2, entry_bytes=100)
+    h = _hashes(list(range(12)))
+    a, b = idx.reserve(), idx.reserve()
+    idx.publish(a, h[0])
+    idx.publish(b, h[1])
+    c = idx.reserve()  # evicts h[0], the oldest
+    assert c == a and h[0] not in idx and idx.stats.evictions == 1
+    idx.publish(c, h[1])  # duplicate content: c goes back to free
+    assert idx.snapshot().published == 1
+    idx.check_integrity()
+    d = idx.reserve()
+    idx.publish(d, h[2])
+    idx.lookup(h[1])  # h[2] is now the oldest...
+    idx.pin(d)  # ...but pinned, so h[1] goes
+    e = idx.reserve()
+    assert e == b and h[2] in idx and h[1] not in idx
+    assert idx.reserve() is None and idx.stats.reserve_failures == 1  # d pinned, e reserved
+    idx.unpin(d)
+    idx.release(e)
+    idx.check_integrity()
+
+
+def test_slots_are_exclusive_and_bounded():
+    """A request keeps one slot; the pool refuses past its size; freeing returns the slot."""
+    slots = StateSlots(2)
+    assert slots.allocate("a") == slots.allocate("a") == 0
+    assert slots.allocate("b") == 1
+    with pytest.raises(StateSlotsExhausted, match="2 state slots"):
+        slots.allocate("c")
+    slots.free("a")
+    slots.free("a")  # twice: ignored
+    assert slots.allocate("c") == 0
+    slots.check_integrity()
+
+
+def test_plan_commit_publishes_and_abort_releases():
+    """A step's captures become hits only after commit; a failed step publishes nothing; a finished
+    request publishes the state it held at its last boundary."""
+    toks = list(range(20))
+    h = _hashes(toks)
+    mgr = HybridStateManager(2, 4, CheckpointIndex(8), interval=0)
+    mgr.allocate("r")
+
+    def chain(rid, tokens, root, n):
+        return h[:n]
+
+    plan = mgr.plan([("r", toks, ROOT_HASH, 10, 0, 10)], chain)
+    assert plan.captures == [[(8, 0)]] and plan.slots == [0]
+    mgr.abort(plan)
+    assert mgr.hit(h, 4) == (0, None)
+    plan = mgr.plan([("r", toks, ROOT_HASH, 10, 0, 10)], chain)
+    mgr.commit(plan)
+    assert mgr.hit(h, 4)[0] == 2  # the prompt's boundary at 8 tokens = 2 blocks
+    plan = mgr.plan([("r", toks, ROOT_HASH, 10, 10, 3)], chain)  # generation reaches 12
+    mgr.commit(plan)
+    assert mgr.hit(h, 4)[0] == 2  # held, not published yet
+    mgr.free("r")
+    assert mgr.hit(h, 4)[0] == 3
+    mgr.check_integrity()
