@@ -1,0 +1,174 @@
+"""Hybrid models (Qwen3.5 text): what recurrent-state checkpoints cost and what they save.
+
+(a) Zero-hit throughput with checkpoints off / at the default interval / at every block, on
+    unique prompts (no prefix is ever reused), runs interleaved round by round so load drifts
+    hit every setting alike. Reports end-to-end tokens/s and the mean forward (step) time.
+(b) A multi-turn, agent-like trace (each turn = the previous turn's prompt + its output + a
+    short new message): TTFT and prefill tokens computed per turn, checkpoints off vs default.
+
+The model is a random Qwen3_5ForCausalLM built by transformers at start (random weights cost
+the same as trained ones). Usage:
+
+    .venv/bin/python bench/hybrid.py [--rounds 3] [--prompts 8] [--prompt-len 256] [--out-len 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+             linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+             max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def build_model(root: Path) -> Path:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.support.tiny_models import make_tiny_tokenizer
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**MODEL))
+    out = root / "qwen3_5-bench"
+    model.save_pretrained(out)
+    make_tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+SETTINGS = {
+    "off": dict(state_checkpoint_bytes=0),
+    "default": dict(),
+    "every-block": dict(state_checkpoint_interval=16),
+}
+
+
+def engine(model_dir: Path, **cfg):
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=4096, **cfg))
+
+
+def timed_forward(eng) -> list[float]:
+    """Wrap the runner so each forward's wall time is recorded."""
+    times: list[float] = []
+    execute = eng.runner.execute
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return execute(*a, **k)
+        finally:
+            times.append(time.perf_counter() - t0)
+
+    eng.runner.execute = timed
+    return times
+
+
+def zero_hit(model_dir: Path, rounds: int, n: int, plen: int, olen: int) -> dict[str, dict[str, float]]:
+    from kvmesh.engine.llm import LLM
+    from kvmesh.engine.sampling import SamplingParams
+
+    engines = {name: engine(model_dir, **cfg) for name, cfg in SETTINGS.items()}
+    steps = {name: timed_forward(e) for name, e in engines.items()}
+    params = SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(123)
+    tput: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    for r in range(rounds + 1):  # round 0 warms up
+        # New unique prompts every round (and the same ones for every setting): zero hits.
+        prompts = [torch.randint(3, MODEL["vocab_size"], (plen,), generator=gen).tolist() for _ in range(n)]
+        order = list(SETTINGS) if r % 2 == 0 else list(reversed(SETTINGS))
+        for name in order:
+            steps[name].clear()
+            t0 = time.perf_counter()
+            LLM(engine=engines[name]).generate(prompts, params)
+            dt = time.perf_counter() - t0
+            if r:
+                tput[name].append(n * (plen + olen) / dt)
+                steps[name + "#"] = steps.get(name + "#", []) + list(steps[name])  # type: ignore[operator]
+    out = {}
+    for name, e in engines.items():
+        st = e.stats()
+        step_times = steps[name + "#"]
+        out[name] = {"tok_s": statistics.median(tput[name]), "mean_step_ms": 1e3 * statistics.mean(step_times),
+                     "checkpoints_saved": st.state_checkpoints.saves if st.state_checkpoints else 0,
+                     "prefix_hits": st.prefix_hits}
+    return out
+
+
+def multi_turn(model_dir: Path, turns: int, first_len: int, msg_len: int, olen: int) -> dict[str, list[tuple]]:
+    """Per setting, per turn: (TTFT ms, prompt tokens, prefill tokens computed)."""
+    from kvmesh.engine.sampling import SamplingParams
+
+    out: dict[str, list[tuple]] = {}
+    for name in ("off", "default"):
+        eng = engine(model_dir, **SETTINGS[name])
+        gen = torch.Generator().manual_seed(7)
+        history = torch.randint(3, MODEL["vocab_size"], (first_len,), generator=gen).tolist()
+        rows = []
+        for t in range(turns):
+            rid = f"turn{t}"
+            t0 = time.perf_counter()
+            eng.add_request(rid, history, SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True))
+            ttft, toks, cached = None, [], 0
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if ttft is None and o.new_token_ids:
+                        ttft = time.perf_counter() - t0
+                    toks.extend(o.new_token_ids)
+                    cached = o.num_cached_tokens
+            rows.append((round(1e3 * ttft, 1), len(history), len(history) - cached))
+            history = history + toks + torch.randint(3, MODEL["vocab_size"], (msg_len,), generator=gen).tolist()
+        out[name] = rows
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        info = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown CPU"
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    flags = [f for f in fields.get("Flags", "").split() if f.startswith(("avx512", "amx", "avx2"))]
+    return f"{fields.get('Model name', '?').strip()} ({fields.get('CPU(s)', '?').strip()} CPUs; {' '.join(flags)})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--out-len", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=4)
+    args = ap.parse_args()
+    print("CPU:", cpu_name(), "| torch threads:", torch.get_num_threads())
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(Path(tmp))
+        print(f"model: random Qwen3.5 text, {MODEL['num_hidden_layers']} layers (3:1 DeltaNet:attention), hidden "
+              f"{MODEL['hidden_size']}, fp32")
+        res = zero_hit(model_dir, args.rounds, args.prompts, args.prompt_len, args.out_len)
+        base = res["off"]
+        print(f"\n(a) zero-hit: {args.prompts} prompts x {args.prompt_len} tokens, {args.out_len} out, "
+              f"median of {args.rounds} interleaved rounds")
+        print(f"{'setting':<12} {'tok/s':>8} {'vs off':>7} {'step ms':>8} {'vs off':>7} {'saved':>6}")
+        for name, r in res.items():
+            print(f"{name:<12} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:7.3f} {r['mean_step_ms']:8.2f} "
+                  f"{r['mean_step_ms'] / base['mean_step_ms']:7.3f} {r['checkpoints_saved']:6d}")
+        mt = multi_turn(model_dir, args.turns, args.prompt_len, 16, args.out_len)
+        print(f"\n(b) multi-turn: first prompt {args.prompt_len} tokens, +{args.out_len} out +16 new per turn")
+        print(f"{'turn':<5} {'prompt':>7} | {'off: TTFT ms':>12} {'computed':>9} | {'default: TTFT ms':>16} {'computed':>9}")
+        for t, (a, b) in enumerate(zip(mt["off"], mt["default"])):
+            print(f"{t:<5} {a[1]:>7} | {a[0]:>12} {a[2]:>9} | {b[0]:>16} {b[2]:>9}")
+
+
+if __name__ == "__main__":
+    main()
