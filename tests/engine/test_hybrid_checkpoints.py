@@ -146,3 +146,21 @@ def test_preemption_resumes_from_checkpoints(model_dir):
     assert engine.stats().num_preemptions > 0
     for res, (want, _) in zip(results, reference):
         assert res.token_ids == want
+
+
+@pytest.mark.slow
+def test_second_turn_after_512_generated_tokens(model_dir):
+    """The multi-turn case the checkpoints are for: turn 1 generates 512 tokens, turn 2 extends its
+    prompt and output by a short message and computes only the suffix after turn 1's last block."""
+    prompt = PROMPT + PROMPT[:30]  # 100 tokens
+    (first, _), = hf_greedy(model_dir, [prompt], 512)
+    second_prompt = prompt + first + SUFFIX + [12, 13]
+    (second, _), = hf_greedy(model_dir, [second_prompt], 16)
+    engine = _engine(model_dir, num_kv_blocks=512)
+    computed = _computed_per_request(engine)
+    llm = LLM(engine=engine)
+    assert llm.generate([prompt], _params(512))[0].token_ids == first
+    r2 = llm.generate([second_prompt], _params(16))[0]
+    assert r2.token_ids == second
+    assert r2.num_cached_tokens == (len(prompt) + 512 - 1) // 16 * 16 == 608
+    assert list(computed.values())[-1] == len(second_prompt) - 608 + 16 - 1
