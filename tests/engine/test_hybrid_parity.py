@@ -100,12 +100,18 @@ def test_batch_mixing_new_and_decoding_requests(model_dir, reference):
         assert got[str(i)] == want, f"prompt {i}: {got[str(i)]} != {want}"
 
 
-def test_no_prefix_hits_without_state(model_dir, reference):
-    """A repeated prompt gets no prefix hit: the KV would be there but the DeltaNet state would not."""
-    llm = _llm(model_dir)
-    llm.generate(PROMPTS, _params())
-    again = llm.generate(PROMPTS, _params())
+def test_repeated_prompts_hit_only_with_checkpoints(model_dir, reference):
+    """A repeated prompt: with no checkpoint memory no hit at all (the KV would be there, the DeltaNet
+    state would not); with checkpoints a hit up to the prompt's last block boundary. Both exact."""
+    off = _llm(model_dir, state_checkpoint_bytes=0)
+    off.generate(PROMPTS, _params())
+    again = off.generate(PROMPTS, _params())
     assert all(r.num_cached_tokens == 0 for r in again)
+    _assert_parity(again, reference)
+    on = _llm(model_dir)
+    on.generate(PROMPTS, _params())
+    again = on.generate(PROMPTS, _params())
+    assert [r.num_cached_tokens for r in again] == [(len(p) - 1) // 16 * 16 for p in PROMPTS]
     _assert_parity(again, reference)
 
 
