@@ -11,7 +11,7 @@ write strength ``beta in (0, 1)``::
 ``recurrent_step`` runs it for one token of many sequences (decode). ``chunked`` runs whole
 prompts: within a chunk of C tokens the C sequential writes collapse into triangular solves
 and matmuls (the WY / UT form), and only the chunks are walked in order, so there is no
-per-token Python loop. Both start from a given state and return the final one, which is what
+per-token Python loop; it can also return the state after any given token (checkpoints). Both start from a given state and return the final one, which is what
 lets a prompt be prefilled in pieces, resumed after a step, or restored from a checkpoint.
 
 Inputs are expected already L2-normalised (q, k), q already scaled by ``Dk ** -0.5``, and
@@ -71,9 +71,15 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+            state: torch.Tensor, chunk: int = CHUNK,
+            capture: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Whole sequences at once. q, k [B, H, T, Dk]; v [B, H, T, Dv]; g, beta [B, H, T];
-    state [B, H, Dk, Dv]. Returns (out [B, H, T, Dv], final state [B, H, Dk, Dv]).
+    state [B, H, Dk, Dv]. Returns (out [B, H, T, Dv], final state [B, H, Dk, Dv], captured).
+
+    ``capture``: (sequence b, tokens t) pairs, 1 <= t <= T: ``captured[i]`` [H, Dk, Dv] is
+    sequence b's state after its first t tokens (None when nothing is asked). A state inside a
+    chunk follows from the state at the chunk's start and that chunk's corrected values, so
+    capturing costs one small matmul each and never splits the scan.
 
     Sequences of different lengths may share a call right-padded with zeros: a padded
     position has k = v = 0 and beta = g = 0, so it leaves the state unchanged (decay 1, no
@@ -106,12 +112,23 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     k_dec = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()[..., None, None]
     out = torch.empty(b, h, n, chunk, dv, dtype=v.dtype, device=v.device)
+    by_chunk: dict[int, list[tuple[int, int, int]]] = {}
+    for i, (seq, tok) in enumerate(capture or ()):
+        if not 1 <= tok <= t:
+            raise ValueError(f"capture after {tok} tokens is outside 1..{t}")
+        by_chunk.setdefault((tok - 1) // chunk, []).append((i, seq, tok - (tok - 1) // chunk * chunk))
+    captured = torch.empty(len(capture or ()), h, dk, dv, dtype=v.dtype, device=v.device) if capture else None
     s = state.to(v.dtype)
     for i in range(n):  # chunks only: each depends on the state the previous one left
         v_new = u[:, :, i] - w[:, :, i] @ s
         out[:, :, i] = q_dec[:, :, i] @ s + attn[:, :, i] @ v_new
+        for slot, seq, m in by_chunk.get(i, ()):  # the state after m tokens of this chunk
+            c = cum[seq, :, i]
+            keep = (c[:, m - 1:m] - c[:, :m]).exp().unsqueeze(-1)
+            captured[slot] = s[seq] * c[:, m - 1].exp()[:, None, None] + \
+                (k[seq, :, i, :m] * keep).transpose(-1, -2) @ v_new[seq, :, :m]
         s = s * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
-    return out.reshape(b, h, n * chunk, dv)[:, :, :t], s
+    return out.reshape(b, h, n * chunk, dv)[:, :, :t], s, captured
 
 
 @dataclass(frozen=True)
@@ -121,7 +138,7 @@ class GatedDeltaKernels:
     only, which runs on any device."""
 
     name: str
-    chunked: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    chunked: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
     recurrent_step: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     conv_prefill: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     conv_step: Callable[..., tuple[torch.Tensor, torch.Tensor]]

@@ -99,39 +99,23 @@ def deltanet_mix(x: torch.Tensor, w: DeltaNetWeights, spec: LinearAttnSpec, laye
 
 def _prefill_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    core: torch.Tensor, batch: StateBatch, layer: int, kernels: GatedDeltaKernels) -> None:
-    """The chunked delta rule over the prefill sequences (rows after the decodes), writing ``core``.
-
-    Sequences run together, right-padded. A capture inside a sequence's chunk splits it there:
-    round r runs every sequence's r-th segment, so the state at each cut is in hand to copy.
-    Without captures there is exactly one round.
-    """
+    """The chunked delta rule over the prefill sequences (rows after the decodes), writing ``core``,
+    the slots' final states, and the states at captures inside a sequence's chunk."""
     nd, pool = batch.num_decodes, batch.pool
     ssm_state = pool.ssm[layer]
     lens = batch.query_lens[nd:]
     slots = batch.slots_t[nd:]
-    first = [nd]
-    for n in lens[:-1]:
-        first.append(first[-1] + n)
-    cuts = [[(c, e) for c, e in batch.captures[nd + j] if c < n] for j, n in enumerate(lens)]
-    ends = [[c for c, _ in cuts[j]] + [n] for j, n in enumerate(lens)]
-    state = ssm_state[slots] * batch.initial_mask[nd:, None, None, None]
-    begin = [0] * len(lens)
-    for r in range(max(len(e) for e in ends)):
-        active = [j for j in range(len(lens)) if r < len(ends[j])]
-        pieces = [(first[j] + begin[j], first[j] + ends[j][r]) for j in active]
-        seg_lens = [b - a for a, b in pieces]
+    init = ssm_state[slots] * batch.initial_mask[nd:, None, None, None]
 
-        def pad(a: torch.Tensor) -> torch.Tensor:  # [P, H, T_max, ...]; zero padding leaves states intact
-            return torch.nn.utils.rnn.pad_sequence([a[s:e] for s, e in pieces], batch_first=True).transpose(1, 2)
+    def pad(a: torch.Tensor) -> torch.Tensor:  # [P, H, T_max, ...]; zero padding leaves states intact
+        return torch.nn.utils.rnn.pad_sequence(list(a[nd:].split(lens)), batch_first=True).transpose(1, 2)
 
-        idx = torch.tensor(active, dtype=torch.int64, device=q.device)
-        out, final = kernels.chunked(pad(q), pad(k), pad(v), pad(g), pad(beta), state[idx])
-        state[idx] = final
-        out = out.transpose(1, 2)  # [P, T_max, H, Dv]
-        mask = torch.arange(max(seg_lens), device=q.device)[None, :] < torch.tensor(seg_lens, device=q.device)[:, None]
-        core[torch.cat([torch.arange(a, b, device=q.device) for a, b in pieces])] = out[mask]
-        for pos, j in enumerate(active):
-            if r < len(cuts[j]):
-                pool.ckpt_ssm[layer, cuts[j][r][1]] = final[pos]
-            begin[j] = ends[j][r]
-    ssm_state[slots] = state
+    inner = [(j, c, e) for j, n in enumerate(lens) for c, e in batch.captures[nd + j] if c < n]
+    out, final, captured = kernels.chunked(pad(q), pad(k), pad(v), pad(g), pad(beta), init,
+                                           capture=[(j, c) for j, c, _ in inner] or None)
+    ssm_state[slots] = final
+    for i, (_, _, e) in enumerate(inner):
+        pool.ckpt_ssm[layer, e] = captured[i]
+    out = out.transpose(1, 2)  # [P, T_max, H, Dv]
+    mask = torch.arange(max(lens), device=q.device)[None, :] < torch.tensor(lens, device=q.device)[:, None]
+    core[nd:] = out[mask]

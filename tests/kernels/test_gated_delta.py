@@ -37,7 +37,7 @@ def _token_loop(q, k, v, decay, beta, state):
 def test_chunked_equals_recurrent(t):
     """The chunked form (WY/UT solves per chunk) and the per-token recurrence agree, from a nonzero state."""
     q, k, v, decay, beta, state = _inputs(2, 3, t, 16, 8)
-    out_c, s_c = gd.chunked(q, k, v, decay, beta, state)
+    out_c, s_c, _ = gd.chunked(q, k, v, decay, beta, state)
     out_r, s_r = _token_loop(q, k, v, decay, beta, state)
     torch.testing.assert_close(out_c, out_r, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(s_c, s_r, atol=1e-5, rtol=1e-4)
@@ -46,9 +46,9 @@ def test_chunked_equals_recurrent(t):
 def test_chunked_resumes_from_its_own_state():
     """Prefill in two pieces (split off a chunk boundary) equals prefill in one: what chunked prefill relies on."""
     q, k, v, decay, beta, state = _inputs(1, 2, 100, 16, 16, seed=3)
-    whole, s_whole = gd.chunked(q, k, v, decay, beta, state)
-    a, s_a = gd.chunked(q[:, :, :37], k[:, :, :37], v[:, :, :37], decay[:, :, :37], beta[:, :, :37], state)
-    b, s_b = gd.chunked(q[:, :, 37:], k[:, :, 37:], v[:, :, 37:], decay[:, :, 37:], beta[:, :, 37:], s_a)
+    whole, s_whole, _ = gd.chunked(q, k, v, decay, beta, state)
+    a, s_a, _ = gd.chunked(q[:, :, :37], k[:, :, :37], v[:, :, :37], decay[:, :, :37], beta[:, :, :37], state)
+    b, s_b, _ = gd.chunked(q[:, :, 37:], k[:, :, 37:], v[:, :, 37:], decay[:, :, 37:], beta[:, :, 37:], s_a)
     torch.testing.assert_close(torch.cat([a, b], dim=2), whole, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(s_b, s_whole, atol=1e-5, rtol=1e-4)
 
@@ -56,9 +56,9 @@ def test_chunked_resumes_from_its_own_state():
 def test_right_padding_leaves_the_final_state():
     """Zero padding (k = v = beta = decay = 0) past a sequence's end changes neither its outputs nor its state."""
     q, k, v, decay, beta, state = _inputs(1, 2, 20, 8, 8, seed=5)
-    out, s = gd.chunked(q, k, v, decay, beta, state)
+    out, s, _ = gd.chunked(q, k, v, decay, beta, state)
     pad = [F.pad(x, (0, 0, 0, 9)) for x in (q, k, v)] + [F.pad(x, (0, 9)) for x in (decay, beta)]
-    out_p, s_p = gd.chunked(*pad, state)
+    out_p, s_p, _ = gd.chunked(*pad, state)
     torch.testing.assert_close(out_p[:, :, :20], out)
     torch.testing.assert_close(s_p, s)
 
@@ -77,9 +77,22 @@ def test_matches_transformers_reference():
                                                      use_qk_l2norm_in_kernel=True)
     qn = (gd.l2norm(q) * dk ** -0.5).repeat_interleave(hv // hk, dim=2).transpose(1, 2)
     kn = gd.l2norm(k).repeat_interleave(hv // hk, dim=2).transpose(1, 2)
-    got, got_s = gd.chunked(qn, kn, v.transpose(1, 2), decay.transpose(1, 2), beta.transpose(1, 2), init)
+    got, got_s, _ = gd.chunked(qn, kn, v.transpose(1, 2), decay.transpose(1, 2), beta.transpose(1, 2), init)
     torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(got_s, want_s, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("t", [20, 100])
+def test_captured_states_equal_the_state_of_a_shorter_run(t):
+    """The state captured after token j inside the scan equals the final state of a run over the first j
+    tokens, for j inside chunks, at chunk ends and at the sequence's end, in a padded batch."""
+    q, k, v, decay, beta, state = _inputs(2, 2, t, 8, 8, seed=9)
+    points = [(0, 1), (1, 7), (0, 16), (1, 64 if t > 64 else t), (0, t), (1, t - 3)]
+    _, _, captured = gd.chunked(q, k, v, decay, beta, state, capture=points)
+    for i, (b, j) in enumerate(points):
+        _, want, _ = gd.chunked(q[b:b + 1, :, :j], k[b:b + 1, :, :j], v[b:b + 1, :, :j], decay[b:b + 1, :, :j],
+                                beta[b:b + 1, :, :j], state[b:b + 1])
+        torch.testing.assert_close(captured[i], want[0], atol=1e-5, rtol=1e-4)
 
 
 def test_conv_prefill_then_steps_equal_one_prefill():
