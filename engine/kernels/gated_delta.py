@@ -122,13 +122,24 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     for i in range(n):  # chunks only: each depends on the state the previous one left
         v_new = u[:, :, i] - w[:, :, i] @ s
         out[:, :, i] = q_dec[:, :, i] @ s + attn[:, :, i] @ v_new
-        for slot, seq, m in by_chunk.get(i, ()):  # the state after m tokens of this chunk
-            c = cum[seq, :, i]
-            keep = (c[:, m - 1:m] - c[:, :m]).exp().unsqueeze(-1)
-            captured[slot] = s[seq] * c[:, m - 1].exp()[:, None, None] + \
-                (k[seq, :, i, :m] * keep).transpose(-1, -2) @ v_new[seq, :, :m]
+        if i in by_chunk:
+            _capture(by_chunk[i], s, cum[:, :, i], k[:, :, i], v_new, pos, captured)
         s = s * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
     return out.reshape(b, h, n * chunk, dv)[:, :, :t], s, captured
+
+
+def _capture(points: list[tuple[int, int, int]], s: torch.Tensor, cum: torch.Tensor, k: torch.Tensor,
+             v_new: torch.Tensor, pos: torch.Tensor, captured: torch.Tensor) -> None:
+    """States after m tokens of one chunk, for (output row, sequence, m) ``points``, all at once:
+    ``S_m = exp(cum_{m-1}) S_0 + sum_{j < m} exp(cum_{m-1} - cum_j) k_j v_new_j^T``.
+    s [B, H, Dk, Dv] at the chunk's start; cum [B, H, C]; k [B, H, C, Dk]; v_new [B, H, C, Dv]."""
+    rows = torch.tensor([p[0] for p in points], device=s.device)
+    seqs = torch.tensor([p[1] for p in points], device=s.device)
+    m = torch.tensor([p[2] for p in points], device=s.device)
+    c = cum[seqs]  # [N, H, C]
+    c_end = c.gather(-1, (m - 1).view(-1, 1, 1).expand(-1, c.shape[1], 1))  # [N, H, 1]
+    keep = (c_end - c).masked_fill((pos[None, :] >= m[:, None])[:, None, :], float("-inf")).exp()
+    captured[rows] = s[seqs] * c_end.exp().unsqueeze(-1) + (k[seqs] * keep.unsqueeze(-1)).transpose(-1, -2) @ v_new[seqs]
 
 
 @dataclass(frozen=True)
