@@ -29,18 +29,29 @@ MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidde
              max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=2)
 
 
+def _id_tokenizer(vocab_size: int):
+    """A word-level tokenizer of ``vocab_size`` made-up words: the benchmark feeds token ids, and the
+    engine only needs a tokenizer in the model directory to load it."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2",
+                                   pad_token="w2")
+
+
 def build_model(root: Path) -> Path:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.support.tiny_models import make_tiny_tokenizer
 
     torch.manual_seed(0)
     model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**MODEL))
     out = root / "qwen3_5-bench"
     model.save_pretrained(out)
-    make_tiny_tokenizer().save_pretrained(out)
+    _id_tokenizer(MODEL["vocab_size"]).save_pretrained(out)
     return out
 
 
