@@ -240,6 +240,24 @@ def _model() -> dict[str, Any]:
                 enum=list(s.DTYPES),
             ),
             "source": source,
+            "stateCheckpoints": obj(
+                "Recurrent-state checkpoints of hybrid models (gated DeltaNet or Mamba layers beside attention): "
+                "a prefix hit on such a model needs a checkpoint at its end (docs/engine.md, 'Hybrid models'). "
+                "Models without recurrent layers ignore it.",
+                {
+                    "intervalTokens": integer(
+                        "A checkpoint every this many prompt tokens (besides the end of each prompt and "
+                        "generation); a multiple of 16, the engines' block size; 0: only those ends.",
+                        s.DEFAULT_STATE_CHECKPOINT_INTERVAL),
+                    "memory": quantity("Host memory each engine keeps checkpoints in (their LRU pool); "
+                                       "0 turns checkpoints off. Default " + s.DEFAULT_STATE_CHECKPOINT_MEMORY + "."),
+                },
+                default={},
+                **{"x-kubernetes-validations": [
+                    rule(f"self.intervalTokens >= 0 && self.intervalTokens % {s.ENGINE_BLOCK_SIZE} == 0",
+                         f"stateCheckpoints.intervalTokens must be 0 or a multiple of {s.ENGINE_BLOCK_SIZE}"),
+                ]},
+            ),
         },
         required=["name"],
     )

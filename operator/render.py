@@ -193,6 +193,8 @@ def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[
             # Always given, default included: the pods run what the CR says whatever the engine's
             # default. Only the engine pools read it (not kvmesh.yaml), so a change rolls only them.
             dtype=spec.model.dtype, cache_node=cache, kv_events_port=KV_EVENTS_PORT,
+            state_checkpoint_interval=spec.model.state_checkpoint_interval,
+            state_checkpoint_bytes=int(parse_quantity(spec.model.state_checkpoint_memory)),
             kv_transfer_port=KV_TRANSFER_PORT if role == "decode" else None,
             drain_timeout_s=drain_timeout_s(spec.component(component)), **common)
         return ["kvmesh", *fa.serve_args(line)]

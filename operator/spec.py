@@ -57,6 +57,13 @@ DEFAULT_SCALE_UP_WINDOW_S = 30
 DEFAULT_SCALE_DOWN_WINDOW_S = 300
 DEFAULT_METRICS_WINDOW_S = 60
 DEFAULT_API_KEYS_KEY = "keys"
+# Recurrent-state checkpoints of hybrid models (`kvmesh serve --state-checkpoint-interval/-bytes`;
+# docs/engine.md "Hybrid models"): the engine's defaults, rendered explicitly. An interval is a
+# multiple of the engines' block size (16, which the operator does not change); 0 turns the
+# interval checkpoints off. Models without recurrent layers ignore both.
+ENGINE_BLOCK_SIZE = 16
+DEFAULT_STATE_CHECKPOINT_INTERVAL = 1024
+DEFAULT_STATE_CHECKPOINT_MEMORY = "512Mi"
 # Long enough for an engine to finish the requests it has admitted after the
 # router stops sending it new ones (SIGTERM starts the drain).
 DEFAULT_GRACE_S = {"prefill": 120, "decode": 300, "cache": 30, "router": 60}
@@ -127,6 +134,8 @@ class Model:
     volume: VolumeSource | None = None
     format: str = "Auto"
     dtype: str = DEFAULT_DTYPE
+    state_checkpoint_interval: int = DEFAULT_STATE_CHECKPOINT_INTERVAL
+    state_checkpoint_memory: str = DEFAULT_STATE_CHECKPOINT_MEMORY
 
 
 @dataclass(frozen=True)
@@ -351,6 +360,14 @@ def _model(raw: Any) -> Model:
     if dtype not in DTYPES:
         # The CRD's enum rejects it first; checked here too because the engine would exit at start.
         raise SpecError(f"spec.model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    ck = _obj(m.get("stateCheckpoints"), "spec.model.stateCheckpoints")
+    interval = _int(ck.get("intervalTokens"), "spec.model.stateCheckpoints.intervalTokens",
+                    DEFAULT_STATE_CHECKPOINT_INTERVAL)
+    if interval % ENGINE_BLOCK_SIZE:
+        raise SpecError(f"spec.model.stateCheckpoints.intervalTokens must be a multiple of the engines' block size "
+                        f"({ENGINE_BLOCK_SIZE}), got {interval}")
+    memory = _quantity(_text(ck.get("memory"), "spec.model.stateCheckpoints.memory", None)
+                       or DEFAULT_STATE_CHECKPOINT_MEMORY, "spec.model.stateCheckpoints.memory")
     return Model(
         name=str(name),
         source_type=source_type,
@@ -358,6 +375,8 @@ def _model(raw: Any) -> Model:
         volume=volume,
         format=_text(m.get("format"), "spec.model.format", "Auto"),
         dtype=dtype,
+        state_checkpoint_interval=interval,
+        state_checkpoint_memory=str(memory),
     )
 
 

@@ -30,6 +30,8 @@ class EngineLine:
     kv_events_port: int | None = None
     kv_transfer_port: int | None = None  # decode role
     drain_timeout_s: int | None = None
+    state_checkpoint_interval: int | None = None  # hybrid models' recurrent-state checkpoints
+    state_checkpoint_bytes: int | None = None
     config: str | None = None
     auth_token_file: str | None = None  # the deployment's internal token (a file: never on a command line)
     api_key_files: tuple[str, ...] = ()  # client keys, where clients reach the engine directly (a gateway)
@@ -87,6 +89,8 @@ def serve_args(e: EngineLine) -> list[str]:
             *_opt("--kv-cache-bytes", e.kv_cache_bytes), *_opt("--num-threads", e.num_threads),
             *_opt("--kv-events-port", e.kv_events_port), *_opt("--kv-transfer-port", e.kv_transfer_port),
             *_opt("--drain-timeout", e.drain_timeout_s),
+            *_opt("--state-checkpoint-interval", e.state_checkpoint_interval),
+            *_opt("--state-checkpoint-bytes", e.state_checkpoint_bytes),
             "--host", e.host, "--port", str(e.port), *_opt("--config", e.config),
             *_opt("--auth-token-file", e.auth_token_file),
             *(a for f in e.api_key_files for a in ("--api-key-file", f)), *e.extra]

@@ -49,6 +49,7 @@ def test_minimal_valid_spec_is_accepted_and_defaulted(cluster, crd_installed, na
     assert spec["model"]["source"]["type"] == "Embedded"
     assert spec["autoscaling"]["enabled"] is False
     assert spec["model"]["dtype"] == "auto"
+    assert spec["model"]["stateCheckpoints"] == {"intervalTokens": 1024}
 
 
 @pytest.mark.parametrize("name,spec,message", [
@@ -82,6 +83,8 @@ def test_minimal_valid_spec_is_accepted_and_defaulted(cluster, crd_installed, na
                                            router__gateway={"parentRef": {"namespace": "gw"}}),
      "Required value"),
     ("bad-router-mode", edited(router__mode="ingress"), "Unsupported value: \"ingress\""),
+    ("checkpoint-interval", edited(model__stateCheckpoints={"intervalTokens": 100}),
+     "stateCheckpoints.intervalTokens must be 0 or a multiple of 16"),
 ])
 def test_invalid_specs_are_rejected_with_their_message(cluster, crd_installed, namespace, name,
                                                        spec, message):

@@ -1,6 +1,9 @@
+import copy
+
 import pytest
 
 from kvmesh.operator import spec as s
+from kvmesh.operator.spec import SpecError, parse_spec
 
 from tests.support.crs import MINIMAL_SPEC
 
@@ -67,3 +70,23 @@ def test_tolerations_are_parsed():
         {"key": "pool", "operator": "Equal", "value": "a100", "effect": "NoSchedule"}]}})
     assert spec.decode.tolerations[0].to_manifest() == {
         "key": "pool", "operator": "Equal", "value": "a100", "effect": "NoSchedule"}
+
+
+@pytest.mark.parametrize("checkpoints,message", [
+    ({"intervalTokens": 100}, "multiple of the engines' block size"),
+    ({"intervalTokens": -16}, "intervalTokens"),
+    ({"memory": "lots"}, "stateCheckpoints.memory"),
+])
+def test_state_checkpoint_settings_the_engine_would_refuse_are_refused(checkpoints, message):
+    spec = copy.deepcopy(MINIMAL_SPEC)
+    spec["model"]["stateCheckpoints"] = checkpoints
+    with pytest.raises(SpecError, match=message):
+        parse_spec(spec)
+
+
+def test_state_checkpoint_defaults_are_the_engines():
+    from kvmesh.engine.config import EngineConfig
+
+    model = parse_spec(copy.deepcopy(MINIMAL_SPEC)).model
+    assert model.state_checkpoint_interval == EngineConfig.state_checkpoint_interval
+    assert model.state_checkpoint_memory == "512Mi" and 512 << 20 == EngineConfig.state_checkpoint_bytes

@@ -49,6 +49,7 @@ SPECS = {
     "client-keys": _spec(auth__apiKeysSecret="llm-keys"),
     "client-keys-isolated": _spec(auth__apiKeysSecret="llm-keys", auth__isolateTenants=True),
     "gateway": _spec(prefill__replicas=0, router__mode="gateway"),
+    "hybrid-checkpoints": _spec(model__stateCheckpoints={"intervalTokens": 256, "memory": "1Gi"}),
     "gateway-client-keys": _spec(prefill__replicas=0, router__mode="gateway", auth__apiKeysSecret="llm-keys",
                                  router__gateway={"parentRef": {"name": "inference-gateway"}}),
 }
@@ -82,6 +83,9 @@ def test_rendered_command_line_parses(name, raw, component, tmp_path):
         assert args.role == ("both" if component == "decode" and spec.colocated else component)
         assert args.kv_transfer_port == (r.KV_TRANSFER_PORT if args.role == "decode" else 0)
         assert args.dtype == spec.model.dtype == raw["model"].get("dtype", s.DEFAULT_DTYPE)
+        # Hybrid models' checkpoint settings reach the engine as the CR (or its defaults) says.
+        assert args.state_checkpoint_interval == spec.model.state_checkpoint_interval
+        assert args.state_checkpoint_bytes == (1 << 30 if "stateCheckpoints" in raw["model"] else 512 << 20)
         # Behind a gateway, clients reach the serving engines directly: they check the client keys.
         keyed = bool(spec.auth.api_keys_secret) and spec.gateway.enabled and component == "decode"
         assert (args.api_key_file is not None) == keyed
