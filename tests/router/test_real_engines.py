@@ -1,7 +1,8 @@
 """The router in front of two real engines on the default model (slow).
 
 Real: two `kvmesh serve` processes (default model, one thread each, a small KV pool so
-prompts evict each other), their KV event publishers and /kv routes, and a `kvmesh router`
+prompts evict each other; one publishing KV events in kvmesh's layout, one in llm-d's), their KV
+event publishers and /kv routes, and a `kvmesh router`
 process with the real tokenizer, subscribers, index and policy. Nothing is faked.
 """
 
@@ -25,8 +26,11 @@ SYSTEM = ("You are a meticulous assistant for a company that builds routers for 
 
 @pytest.fixture(scope="module")
 def fleet():
+    # The second engine publishes in llm-d's layout (kv@<pod>@<model> topics, token ids): the router
+    # reads both formats, so every test below also checks it indexes and routes a mixed fleet.
+    formats = [(), ("--kv-events-format", "llm-d", "--kv-events-token-ids", "--kv-events-pod", "engine-b")]
     engines = [ServerProcess("--num-threads", "1", "--num-kv-blocks", "96", "--max-num-seqs", "8",
-                             "--kv-events-port", str(free_port_pair())) for _ in range(2)]
+                             "--kv-events-port", str(free_port_pair()), *fmt) for fmt in formats]
     router = None
     try:
         for e in engines:
