@@ -175,12 +175,19 @@ class KVEventSubscriber:
                 raise
 
     async def stop(self) -> None:
-        """Make ``run()`` return and release the sockets."""
+        """Make ``run()`` return and release the sockets.
+
+        Cancels until the follower has ended, not once: on Python 3.11 ``asyncio.wait_for`` (the
+        replay's receive) can swallow a cancellation that lands as its inner future completes, and
+        the follower would then wait for events forever."""
         self._stopping = True
-        if self._main is not None and not self._main.done():
-            self._main.cancel()
+        main = self._main
+        while main is not None and not main.done():
+            main.cancel()
+            await asyncio.wait({main}, timeout=0.5)
+        if main is not None:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._main
+                await main
 
     async def resync(self, reason: str = "requested") -> None:
         """Replace the caller's state from the snapshot now (call from the loop running ``run()``)."""
