@@ -132,13 +132,17 @@ class Cluster:
             if exc.status != 404:
                 raise
 
-    def get_cr(self, ns: str, name: str) -> dict | None:
+    def get_custom(self, group: str, version: str, plural: str, ns: str, name: str) -> dict | None:
+        """A namespaced custom object, or None when it does not exist."""
         try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+            return self.custom.get_namespaced_custom_object(group, version, ns, plural, name)
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
+
+    def get_cr(self, ns: str, name: str) -> dict | None:
+        return self.get_custom(GROUP, VERSION, PLURAL, ns, name)
 
     def create_cr(self, ns: str, name: str, spec: dict) -> dict:
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment",

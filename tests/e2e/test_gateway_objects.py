@@ -9,7 +9,6 @@ test_real_pods_gateway.py). The tests share one CR and run in file order."""
 from __future__ import annotations
 
 import pytest
-from kubernetes.client.rest import ApiException
 
 from kvmesh.operator import gateway as gw
 
@@ -36,13 +35,7 @@ def crds(cluster):
 
 
 def _get(cluster, ns: str, kind: str, name: str) -> dict | None:
-    group, version, plural = gw.RESOURCES[kind]
-    try:
-        return cluster.custom.get_namespaced_custom_object(group, version, ns, plural, name)
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
+    return cluster.get_custom(*gw.RESOURCES[kind], ns, name)
 
 
 def test_the_pool_and_route_are_created_as_rendered(cluster, namespace, operator):
