@@ -80,7 +80,11 @@ def main() -> int:
                              ("envoy_ext_proc_full_duplex", lambda listen: gateway_config(
                                  listen, f"127.0.0.1:{picker_port}", "FULL_DUPLEX_STREAMED")),
                              ("envoy_ext_proc_buffered", lambda listen: gateway_config(
-                                 listen, f"127.0.0.1:{picker_port}", "BUFFERED"))):
+                                 listen, f"127.0.0.1:{picker_port}", "BUFFERED")),
+                             ("envoy_ext_proc_full_duplex_one_filter", lambda listen: gateway_config(
+                                 listen, f"127.0.0.1:{picker_port}", "FULL_DUPLEX_STREAMED", observer=False)),
+                             ("envoy_ext_proc_buffered_one_filter", lambda listen: gateway_config(
+                                 listen, f"127.0.0.1:{picker_port}", "BUFFERED", observer=False))):
             port = free_port()
             envoys.append(EnvoyProcess(config(f"127.0.0.1:{port}")).start())
             paths[name] = f"http://127.0.0.1:{port}"

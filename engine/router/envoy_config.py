@@ -37,6 +37,7 @@ PICKER_CLUSTER = "kvmesh_picker"
 FALLBACK_CLUSTER = "kvmesh_fallback"
 DIRECT_CLUSTER = "kvmesh_engine"
 _HEADROOM = 64 << 10  # request headers and framing on top of the body
+_EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _ROUTER = {"name": "envoy.filters.http.router",
            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
@@ -88,6 +89,30 @@ def _route(cluster: str, header_present: str | None = None) -> dict[str, Any]:
     return {"match": match, "route": {"cluster": cluster, "timeout": "0s"}}
 
 
+def _observer_filter() -> dict[str, Any]:
+    """The second ext_proc filter: Envoy copies it the request headers (they carry the pick's id)
+    and the response without waiting for answers, so following the response costs the request no
+    round trip. It never fails a request (``failure_mode_allow``); a stream it leaves open is closed
+    ``deferred_close_timeout`` after the request ends, which is when an abandoned request's engine
+    is released at the latest."""
+    return {"name": "kvmesh.response_observer", "typed_config": {
+        "@type": _EXT_PROC, "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
+        "observability_mode": True, "failure_mode_allow": True, "deferred_close_timeout": "1s",
+        "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "NONE",
+                            "request_trailer_mode": "SKIP", "response_header_mode": "SEND",
+                            "response_body_mode": "STREAMED", "response_trailer_mode": "SKIP"}}}
+
+
+def _observing_router() -> dict[str, Any]:
+    """The router filter with the observer as an *upstream* filter: it sees only requests that went
+    to an engine (an immediate answer from the picker never reaches it) and each upstream attempt."""
+    return {"name": "envoy.filters.http.router", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router",
+        "upstream_http_filters": [_observer_filter(), {
+            "name": "envoy.filters.http.upstream_codec", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"}}]}}
+
+
 def duplex_mode(body_mode: str) -> bool:
     return body_mode == "FULL_DUPLEX_STREAMED"
 
@@ -95,13 +120,16 @@ def duplex_mode(body_mode: str) -> bool:
 def gateway_config(listen: str, picker: str, body_mode: str = "FULL_DUPLEX_STREAMED", *,
                    failure_mode_allow: bool = False, fallback: Sequence[str] = (),
                    message_timeout_s: float = 10.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                   admin: str | None = None) -> dict[str, Any]:
+                   admin: str | None = None, observer: bool = True) -> dict[str, Any]:
     """Envoy listening on ``listen`` (HOST:PORT), asking the picker at ``picker`` (HOST:PORT) where
     each request goes. ``message_timeout_s`` bounds each picker answer (the pick of a long prompt
     waits for its tokenization; Envoy's default of 200 ms is too short for megabyte prompts).
     ``max_request_bytes``: the router's ``--max-request-bytes``; the listener buffers that much (plus
     headers), so a BUFFERED body the picker accepts is not refused first by Envoy's 1 MiB default,
-    and a larger one gets the picker's 413 in OpenAI's format."""
+    and a larger one gets the picker's 413 in OpenAI's format.
+    ``observer``: follow responses with a second ext_proc filter in observability mode, off the
+    request's path (engine/router/extproc_observe.py); False: one filter reads the response too, as
+    GIE's reference gateway does (two or three more waits on the picker per request)."""
     if body_mode not in BODY_MODES:
         raise ValueError(f"body_mode {body_mode!r}: use one of {', '.join(BODY_MODES)}")
     if failure_mode_allow and duplex_mode(body_mode):
@@ -116,12 +144,14 @@ def gateway_config(listen: str, picker: str, body_mode: str = "FULL_DUPLEX_STREA
             "response_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "STREAMED",
             "request_trailer_mode": "SEND" if duplex else "SKIP",
             "response_trailer_mode": "SEND" if duplex else "SKIP"}
+    if observer:
+        mode.update(response_header_mode="SKIP", response_body_mode="NONE", response_trailer_mode="SKIP")
     ext_proc = {"name": "envoy.filters.http.ext_proc", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-        "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
+        "@type": _EXT_PROC, "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
         "failure_mode_allow": failure_mode_allow, "message_timeout": f"{message_timeout_s:g}s",
         "processing_mode": mode,
         "metadata_options": {"forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]}}}}
+    filters = [ext_proc, _observing_router()] if observer else [ext_proc, _ROUTER]
     routes = [_route(PICKED_CLUSTER, DESTINATION)] + ([_route(FALLBACK_CLUSTER)] if fallback else [])
     served = [{"header": {"key": SERVED, "value": "%UPSTREAM_REMOTE_ADDRESS%"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
     clusters = [_static_cluster(PICKER_CLUSTER, [picker], http2=True), {
@@ -130,7 +160,7 @@ def gateway_config(listen: str, picker: str, body_mode: str = "FULL_DUPLEX_STREA
     if fallback:
         clusters.append(_static_cluster(FALLBACK_CLUSTER, fallback))
     config: dict[str, Any] = {"static_resources": {
-        "listeners": [_listener(listen, routes, [ext_proc, _ROUTER], served, max_request_bytes + _HEADROOM)],
+        "listeners": [_listener(listen, routes, filters, served, max_request_bytes + _HEADROOM)],
         "clusters": clusters}}
     if admin:
         config["admin"] = {"address": _address(admin)}
@@ -161,11 +191,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--body-mode", choices=BODY_MODES, default=BODY_MODES[0])
     ap.add_argument("--failure-mode-allow", action="store_true", help="fail open (BUFFERED only; needs --fallback)")
     ap.add_argument("--fallback", default="", metavar="HOST:PORT,...", help="where requests without a pick go")
+    ap.add_argument("--no-observer", action="store_true",
+                    help="one ext_proc filter reads the response too (GIE's reference wiring; slower)")
     args = ap.parse_args(argv)
     fallback = [f for f in args.fallback.split(",") if f]
     try:
         config = gateway_config(args.listen, args.picker, args.body_mode, failure_mode_allow=args.failure_mode_allow,
-                                fallback=fallback)
+                                fallback=fallback, observer=not args.no_observer)
     except ValueError as e:
         ap.error(str(e))
     print(yaml.safe_dump(config, sort_keys=False), end="")

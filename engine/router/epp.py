@@ -33,6 +33,7 @@ SERVED = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+PICK_ID = "x-kvmesh-pick"  # kvmesh's own: names a pick to the observer filter (extproc_observe.py)
 
 # ProcessingMode.BodySendMode values (envoy/extensions/filters/http/ext_proc/v3/processing_mode.proto).
 BODY_NONE, BODY_STREAMED, BODY_BUFFERED, BODY_BUFFERED_PARTIAL, BODY_FULL_DUPLEX = 0, 1, 2, 3, 4
@@ -116,12 +117,15 @@ class Pick:
 
     address: str
     body: bytes | None = None  # the new body (None: unchanged)
+    pick_id: str = ""  # names the pick to an observer filter (engine/router/extproc_observe.py)
 
 
 def pick_mutation(pick: Pick) -> pb.CommonResponse:
     """The request-header mutation that routes to ``pick.address`` (and fixes the length of a
     changed body); ``clear_route_cache`` so a route keyed on the header sees it."""
     sets = [(DESTINATION, pick.address)]
+    if pick.pick_id:
+        sets.append((PICK_ID, pick.pick_id))
     if pick.body is not None:
         sets.append(("content-length", str(len(pick.body))))
     return pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=_set(sets)), clear_route_cache=True)

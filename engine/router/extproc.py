@@ -3,7 +3,9 @@
 A gRPC server (grpc.aio, on the router's own event loop, so it reads and updates the same fleet,
 index, sessions and engine load as the HTTP proxy without locks) with two services:
 - ``envoy.service.ext_proc.v3.ExternalProcessor``: one ``Process`` stream per HTTP request, run
-  by ``PickerStream`` (engine/router/extproc_stream.py);
+  by ``PickerStream`` (engine/router/extproc_stream.py), and, where the gateway follows the
+  response with a second filter in observability mode, one more stream per request that feeds the
+  response to the pick it names (``ObserverStream``, engine/router/extproc_observe.py);
 - ``grpc.health.v1.Health``: SERVING (for "" and the ext_proc service name) exactly while the
   router's ``/ready`` would answer 200, re-checked every ``HEALTH_EVERY_S``.
 
@@ -26,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from kvmesh.engine.api import errors
+from kvmesh.engine.router.extproc_observe import ObserverStream, PendingPicks
 from kvmesh.engine.router.extproc_stream import PickerStream
 
 if TYPE_CHECKING:
@@ -40,12 +43,22 @@ HEALTH_EVERY_S = 0.5
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, app: RouterApp) -> None:
         self.app = app
+        self.picks = PendingPicks()
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802 - gRPC's name
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
-        stream = PickerStream(self.app)
+        messages = aiter(request_iterator)
+        first = await anext(messages, None)
+        if first is None:
+            return
+        if first.observability_mode:
+            await self._observe(first, messages)
+            return
+        stream = PickerStream(self.app, picks=self.picks)
+        clean = False
         try:
-            async for req in request_iterator:
+            req: pb.ProcessingRequest | None = first
+            while req is not None:
                 try:
                     answers = await stream.handle(req)
                 except Exception as e:  # noqa: BLE001 - a bug must cost one request, never the picker
@@ -54,8 +67,24 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         errors.internal_error(f"the picker failed on this request ({type(e).__name__})"))
                 for answer in answers:
                     yield answer
+                req = await anext(messages, None)
+            clean = True
         finally:
-            stream.close()
+            stream.close(clean)
+
+    async def _observe(self, first: pb.ProcessingRequest, rest: AsyncIterator[pb.ProcessingRequest]) -> None:
+        """An observability-mode stream: the response of a pick made on another stream."""
+        observer = ObserverStream(self.picks)
+        try:
+            req: pb.ProcessingRequest | None = first
+            while req is not None:
+                try:
+                    observer.handle(req)
+                except Exception:  # noqa: BLE001 - a bug must cost one request's accounting, never the picker
+                    log.exception("ext_proc observer message handling failed")
+                req = await anext(rest, None)
+        finally:
+            observer.close()
 
 
 class ExtProcServer:
@@ -64,12 +93,13 @@ class ExtProcServer:
     def __init__(self, app: RouterApp, host: str, port: int) -> None:
         self.app, self.host, self.port = app, host, port
         self.server: grpc.aio.Server | None = None
+        self.processor = ExternalProcessor(app)
         self.health = health_aio.HealthServicer()
         self._health_task: asyncio.Task | None = None
 
     async def start(self) -> int:
         server = self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.app), server)
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         target = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
         try:

@@ -29,6 +29,7 @@ from kvmesh.engine.api import errors
 from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.router import epp
 from kvmesh.engine.router.dispatch import Lease
+from kvmesh.engine.router.extproc_observe import PendingPicks
 from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, PromptInfo
 from kvmesh.engine.router.proxy import usage_in_chunk, all_engines_down, cached_tokens_of, shedding
 from kvmesh.engine.router.sessions import session_key
@@ -90,6 +91,10 @@ class PickerStream:
     response_kept: bytearray = field(default_factory=bytearray)
     cached: int | None = None
     subset: frozenset[str] | None = None  # the gateway's candidate endpoints (None: any)
+    picks: PendingPicks | None = None  # where an observer stream claims this pick's response
+    pick_id: str = ""
+    observed: bool = False  # an observer stream owns the response half
+    response_seen: bool = False
     _refused_answer: list[pb.ProcessingResponse] = field(default_factory=list)
     _configured: bool = False
 
@@ -108,9 +113,9 @@ class PickerStream:
             if kind == "request_trailers":
                 return await self._request_trailers()
             if kind == "response_headers":
-                return self._response_headers(req)
+                return self.response_headers(req)
             if kind == "response_body":
-                return self._response_body(req.response_body)
+                return self.response_body(req.response_body)
             if kind == "response_trailers":
                 self.finish()
                 return [epp.empty("response_trailers")]
@@ -212,10 +217,13 @@ class PickerStream:
         self.url, self.address, self.info, self.predicted = url, address_of[url], info, predicted
         self.lease = Lease.take(fleet.engines.get(url), max(0, info.num_prompt_tokens - predicted))
         self.picked_at = time.perf_counter()
-        return epp.Pick(self.address, out if out != body else None)
+        if self.picks is not None:
+            self.pick_id = self.picks.register(self)
+        return epp.Pick(self.address, out if out != body else None, self.pick_id)
 
     # ---- the response --------------------------------------------------------------------
-    def _response_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    def response_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        self.response_seen = True
         headers = epp.header_map(req.response_headers)
         status = headers.get(":status", "")
         self.status = int(status) if status.isdigit() else 0
@@ -245,7 +253,8 @@ class PickerStream:
             self.first_byte_seen = True
             self.app.metrics.ttft.observe(time.perf_counter() - self.picked_at)
 
-    def _response_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    def response_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        self.response_seen = True
         chunk = msg.body
         if self.lease is not None and not self.lease.released:
             if chunk:
@@ -269,6 +278,8 @@ class PickerStream:
         """The response is over (or the stream died: ``outcome`` "aborted"): release the engine."""
         if self.lease is None or self.lease.released:
             return
+        if self.picks is not None:
+            self.picks.discard(self.pick_id)
         if outcome is None:
             self.lease.first_token()  # a whole answer: the prefill is over (a no-op once a token event came)
         self.lease.release()
@@ -277,6 +288,14 @@ class PickerStream:
         if outcome is None:
             self.app.dispatch.observe_cached(self.info, self.predicted, self.cached)
 
-    def close(self) -> None:
-        """The gRPC stream ended: a request still holding an engine was abandoned."""
+    def close(self, clean: bool = False) -> None:
+        """The gRPC stream ended. Cancelled (``clean`` False: the client or the gateway went away),
+        a request still holding an engine was abandoned. Ended cleanly by the gateway before any
+        response reached this stream, the response is an observer stream's to follow
+        (engine/router/extproc_observe.py): the pick waits for it."""
+        if self.observed:
+            return
+        if clean and self.picks is not None and self.pick_id and not self.response_seen:
+            self.picks.orphan(self.pick_id)
+            return
         self.finish("aborted")

@@ -98,7 +98,9 @@ def test_envoy_and_the_upstream_epp_route_chat_to_kvmesh_engines(cluster, namesp
         # The reference gateway's wiring (FULL_DUPLEX_STREAMED bodies, ORIGINAL_DST on the picker's
         # destination header), the same config kvmesh's own picker is tested and documented with.
         listen = free_port()
-        envoy = EnvoyProcess(gateway_config(f"127.0.0.1:{listen}", f"127.0.0.1:{epp.grpc_port}")).start()
+        # GIE's own wiring (one filter): the upstream picker knows nothing of kvmesh's observer filter.
+        config = gateway_config(f"127.0.0.1:{listen}", f"127.0.0.1:{epp.grpc_port}", observer=False)
+        envoy = EnvoyProcess(config).start()
         gateway = f"http://127.0.0.1:{listen}"
         before = [_finished(e) for e in engines]
         through = _chat(gateway)

@@ -137,7 +137,8 @@ def test_the_upstream_endpoint_picker_routes_to_the_engine_pod(cluster, deployme
 
         wait_until("the EPP to scrape the engine pod", scraped, timeout=90, every=1)
         listen = f"127.0.0.1:{free_port()}"
-        envoy = EnvoyProcess(gateway_config(listen, f"127.0.0.1:{epp.grpc_port}")).start()
+        # GIE's own wiring (one filter): the upstream picker knows nothing of kvmesh's observer filter.
+        envoy = EnvoyProcess(gateway_config(listen, f"127.0.0.1:{epp.grpc_port}", observer=False)).start()
         chat_matches_reference(f"http://{listen}", hf_reference, QUESTIONS[0])
     except BaseException:
         print(f"--- EPP ---\n{epp.tail()}\n--- envoy ---\n{envoy.log_tail() if envoy else ''}")

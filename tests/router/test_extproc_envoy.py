@@ -76,11 +76,13 @@ def body(prompt: str, **extra) -> dict:
     return {"model": "fake-model", "prompt": prompt, **extra}
 
 
+@pytest.mark.parametrize("observer", [True, False], ids=["observer", "one_filter"])
 @pytest.mark.parametrize("mode", BODY_MODES)
-def test_requests_go_where_the_picker_says_and_streams_pass_through(picker, mode):
+def test_requests_go_where_the_picker_says_and_streams_pass_through(picker, mode, observer):
     """Each request reaches the engine the picker chose (its answer names it; Envoy's served header
-    says the same address), streamed chunks arrive in order, and the picker's accounting ends at 0."""
-    env, url = gateway(picker.address, mode)
+    says the same address), streamed chunks arrive in order, and the picker's accounting ends at 0;
+    with the response followed by the observer filter and by the pick filter itself."""
+    env, url = gateway(picker.address, mode, observer=observer)
     try:
         seen = set()
         for i in range(4):
@@ -101,9 +103,41 @@ def test_requests_go_where_the_picker_says_and_streams_pass_through(picker, mode
         # Above Envoy's 1 MiB default buffer, under --max-request-bytes (4 MiB): routed in both modes.
         assert httpx.post(url + "/v1/completions", json=body("x" * (2 << 20)), timeout=30).status_code == 200
         huge = httpx.post(url + "/v1/completions", json=body("x" * (5 << 20)), timeout=30)
-        assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+        assert huge.status_code == 413
+        # The picker refuses at the headers (content-length); in BUFFERED mode a body that fills
+        # Envoy's buffer before that answer arrives gets Envoy's own plain-text 413 instead.
+        if mode == "FULL_DUPLEX_STREAMED" or huge.headers["content-type"] == "application/json":
+            assert huge.json()["error"]["code"] == "request_too_large"
     finally:
         env.stop()
+
+
+@pytest.mark.parametrize("mode", BODY_MODES)
+def test_the_observer_filter_holds_the_engine_for_the_whole_stream_and_releases_it_at_the_end(mode):
+    """Rendered wiring (the pick filter sees only the request): the observer stream claims the pick,
+    the engine stays loaded while the stream runs and is released with outcome ok at its end; a
+    request the picker refused never reaches the observer (no id left behind)."""
+    p = Picker([FakeEngine("a", Behavior(mode="slow", chunks=4, chunk_interval_s=0.3))])
+    picks = p.app.ext_proc.processor.picks
+    env, url = gateway(p.address, mode)
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body("stream me", stream=True), timeout=10) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert '"t0"' in first
+            assert p.inflight() >= 1 and len(picks) == 0  # claimed by the observer, still held
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        wait_for(lambda: p.inflight() == 0, "the observer to see the end of the stream")
+        engine_url = p.servers[0].url
+        counted = {o: p.app.metrics.requests.labels("cache-aware", engine_url, o)._value.get()
+                   for o in ("ok", "aborted")}
+        assert counted == {"ok": 1, "aborted": 0}
+        assert httpx.post(url + "/v1/completions", content=b"{oops", timeout=10).status_code == 400
+        assert len(picks) == 0
+    finally:
+        env.stop()
+        p.stop()
 
 
 @pytest.mark.parametrize("mode", BODY_MODES)

@@ -337,7 +337,7 @@ def test_the_envoy_config_in_the_docs_is_the_renderers_and_envoy_accepts_every_v
     envoy = find_envoy()
     if envoy is None:
         return
-    configs = [gateway_config("127.0.0.1:1", "127.0.0.1:2", m) for m in BODY_MODES]
+    configs = [gateway_config("127.0.0.1:1", "127.0.0.1:2", m, observer=o) for m in BODY_MODES for o in (True, False)]
     configs += [gateway_config("127.0.0.1:1", "127.0.0.1:2", "BUFFERED", failure_mode_allow=True,
                                fallback=["127.0.0.1:3"]), direct_config("127.0.0.1:1", "127.0.0.1:3")]
     for i, c in enumerate(configs):
