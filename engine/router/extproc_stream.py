@@ -289,13 +289,19 @@ class PickerStream:
             self.app.dispatch.observe_cached(self.info, self.predicted, self.cached)
 
     def close(self, clean: bool = False) -> None:
-        """The gRPC stream ended. Cancelled (``clean`` False: the client or the gateway went away),
-        a request still holding an engine was abandoned. Ended cleanly by the gateway before any
-        response reached this stream, the response is an observer stream's to follow
-        (engine/router/extproc_observe.py): the pick waits for it."""
+        """The gRPC stream ended. If its response is an observer stream's to follow (this filter
+        does not receive the response, or the gateway ended the stream cleanly before any response
+        reached it), the pick waits for the observer (engine/router/extproc_observe.py): an
+        abandoned request is then released by the observer's end or the orphan timer. Otherwise a
+        stream cancelled while its request held an engine was abandoned.
+
+        Why not trust ``clean`` alone: Envoy 1.40 often resets a full-duplex stream it has finished
+        with instead of half-closing it, so a cancel can arrive before the observer's first message
+        in a perfectly healthy request."""
         if self.observed:
             return
-        if clean and self.picks is not None and self.pick_id and not self.response_seen:
+        observer_owned = clean or self.response_mode == epp.BODY_NONE
+        if observer_owned and self.picks is not None and self.pick_id and not self.response_seen:
             self.picks.orphan(self.pick_id)
             return
         self.finish("aborted")

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from kvmesh.engine.router import epp
 from kvmesh.engine.router.extproc_observe import ObserverStream, PendingPicks
 from kvmesh.engine.router.extproc_stream import PickerStream
-from tests.router.test_extproc_stream import (POST, URLS, _message, body_msg, chat_body, headers_msg, load,
-                                              make_app, response_body, response_headers)
+from tests.support.extproc_messages import (POST, URLS, body_msg, chat_body, headers_msg, load, make_app, message,
+                                            response_body, response_headers)
 
 
 def observer_headers(pick_id: str | None) -> pb.ProcessingRequest:
@@ -142,7 +142,7 @@ def test_a_gateway_that_sends_the_response_on_the_pick_stream_still_works_with_t
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(_message(), max_size=6), st.lists(_message(), max_size=6), st.booleans(), st.booleans())
+@given(st.lists(message(), max_size=6), st.lists(message(), max_size=6), st.booleans(), st.booleans())
 def test_fuzz_split_streams_never_raise_and_never_leak(pick_msgs, observer_msgs, clean, claim):
     """Any messages on the pick stream and on an observer stream (claiming the pick or not), the
     pick stream ending cleanly or cancelled: once both ended and the orphan timer ran, no load is

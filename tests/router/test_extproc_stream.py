@@ -13,100 +13,20 @@ import asyncio
 import json
 
 import hypothesis.strategies as st
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from hypothesis import HealthCheck, given, settings
-from google.protobuf import struct_pb2
 from google.protobuf.message import DecodeError
+from hypothesis import HealthCheck, given, settings
 
 from kvmesh.engine.block_hash import hash_blocks
 from kvmesh.engine.kv.events import KVSnapshot
 from kvmesh.engine.router import epp
-from kvmesh.engine.router.app import RouterApp, RouterSettings
-from kvmesh.engine.router.discovery import EngineState, Fleet
+from kvmesh.engine.router.app import RouterApp
 from kvmesh.engine.router.extproc_stream import PickerStream
-from kvmesh.engine.router.policies import LoadModel
 from kvmesh.engine.router.prompt import CHAT, analyze
+from tests.support.extproc_messages import (ADDRS, LIMIT, POST, URLS, body_msg, chat_body, destination, headers_msg,
+                                            load, make_app, message, response_body, response_headers, run)
 from tests.support.fake_http_engine import BLOCK_SIZE, EXTRA
 from tests.support.fake_step_engine import FakeTokenizer
-
-URLS = ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
-ADDRS = ("10.0.0.1:8000", "10.0.0.2:8000")
-LIMIT = 64 << 10
-
-
-def make_app(policy: str = "cache-aware", shed: int = 0) -> RouterApp:
-    settings = RouterSettings(policy=policy, engines=URLS, max_request_bytes=LIMIT,
-                              load=LoadModel(shed_running=shed))
-    app = RouterApp(settings, FakeTokenizer())
-    fleet = Fleet(session=None, urls=list(URLS))  # type: ignore[arg-type] - the picker never does I/O
-    for u in URLS:
-        fleet.engines[u] = EngineState(u, healthy=True, info={"block_size": BLOCK_SIZE, "extra_key": EXTRA.hex()})
-    app.dispatch.fleet = fleet
-    return app
-
-
-def config(request_mode: int, response_mode: int = epp.BODY_STREAMED) -> pb.ProtocolConfiguration:
-    return pb.ProtocolConfiguration(request_body_mode=request_mode, response_body_mode=response_mode)
-
-
-def headers_msg(headers: dict[str, str], eos: bool = False, mode: int | None = None,
-                subset: list[str] | None = None) -> pb.ProcessingRequest:
-    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()])
-    req = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hm, end_of_stream=eos))
-    if mode is not None:
-        req.protocol_config.CopyFrom(config(mode))
-    if subset is not None:
-        s = struct_pb2.Struct()
-        s.update({epp.SUBSET_KEY: subset})
-        req.metadata_context.filter_metadata[epp.SUBSET_NAMESPACE].CopyFrom(s)
-    return req
-
-
-def body_msg(body: bytes, eos: bool = True) -> pb.ProcessingRequest:
-    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=eos))
-
-
-def response_headers(status: int = 200, served: str | None = None, ctype: str = "text/event-stream",
-                     eos: bool = False) -> pb.ProcessingRequest:
-    hs = {":status": str(status), "content-type": ctype, **({epp.SERVED: served} if served else {})}
-    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs.items()])
-    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=hm, end_of_stream=eos))
-
-
-def response_body(body: bytes, eos: bool) -> pb.ProcessingRequest:
-    return pb.ProcessingRequest(response_body=pb.HttpBody(body=body, end_of_stream=eos))
-
-
-POST = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"}
-
-
-def chat_body(text: str, model: str | None = "m") -> bytes:
-    doc = {"messages": [{"role": "user", "content": text}], **({"model": model} if model else {})}
-    return json.dumps(doc).encode()
-
-
-def run(stream: PickerStream, *msgs: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-    async def go() -> list[pb.ProcessingResponse]:
-        out = []
-        for m in msgs:
-            out += await stream.handle(m)
-        return out
-
-    return asyncio.run(go())
-
-
-def destination(resp: pb.ProcessingResponse) -> str:
-    kind = resp.WhichOneof("response")
-    common = getattr(resp, kind).response
-    (h,) = [h.header for h in common.header_mutation.set_headers if h.header.key == epp.DESTINATION]
-    meta = resp.dynamic_metadata.fields[epp.LB_NAMESPACE].struct_value.fields[epp.DESTINATION].string_value
-    assert meta == h.raw_value.decode() and common.clear_route_cache
-    return meta
-
-
-def load(app: RouterApp) -> dict[str, tuple[int, int]]:
-    return {u: (s.inflight, s.queued_prefill_tokens) for u, s in app.fleet.engines.items()}
 
 
 def test_buffered_mode_answers_headers_empty_then_routes_on_the_whole_body():
@@ -235,41 +155,7 @@ def test_a_request_without_body_is_routed_at_its_headers():
                                                     mode=epp.BODY_FULL_DUPLEX))
     assert [o.WhichOneof("response") for o in out] == ["request_headers"] and destination(out[0]) in ADDRS
 
-
 # ---- fuzz ------------------------------------------------------------------------------
-_KINDS = ("request_headers", "request_body", "request_trailers", "response_headers", "response_body",
-          "response_trailers", "none")
-_header = st.tuples(st.sampled_from([":method", ":path", ":status", "content-length", "content-type",
-                                     "authorization", "x-session-id", epp.SERVED, "x-other"]),
-                    st.one_of(st.text(max_size=30), st.sampled_from(["POST", "/v1/chat/completions", "200",
-                                                                     "text/event-stream", ADDRS[0], "99999999"])))
-_body = st.one_of(st.binary(max_size=200), st.sampled_from([chat_body("hi"), chat_body("hi", None), b"{}",
-                                                             b'{"model": 1}', b"null", b"data: {}\n\n"]))
-
-
-@st.composite
-def _message(draw) -> pb.ProcessingRequest:
-    kind = draw(st.sampled_from(_KINDS))
-    req = pb.ProcessingRequest()
-    if draw(st.booleans()):
-        req.protocol_config.CopyFrom(config(draw(st.integers(0, 6)), draw(st.integers(0, 6))))
-    if draw(st.booleans()):
-        s = struct_pb2.Struct()
-        s.update({epp.SUBSET_KEY: draw(st.one_of(st.lists(st.sampled_from(ADDRS + ("x", ""))), st.text(max_size=20),
-                                                   st.floats(allow_nan=False), st.booleans()))})
-        req.metadata_context.filter_metadata[epp.SUBSET_NAMESPACE].CopyFrom(s)
-    eos = draw(st.booleans())
-    if kind in ("request_headers", "response_headers"):
-        hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode("utf-8", "replace"))
-                                         for k, v in draw(st.lists(_header, max_size=6))])
-        getattr(req, kind).CopyFrom(pb.HttpHeaders(headers=hm, end_of_stream=eos))
-    elif kind in ("request_body", "response_body"):
-        getattr(req, kind).CopyFrom(pb.HttpBody(body=draw(_body), end_of_stream=eos))
-    elif kind != "none":
-        getattr(req, kind).CopyFrom(pb.HttpTrailers())
-    return req
-
-
 def _check_stream(app: RouterApp, msgs: list[pb.ProcessingRequest]) -> None:
     async def go() -> None:
         s = PickerStream(app)
@@ -284,7 +170,7 @@ def _check_stream(app: RouterApp, msgs: list[pb.ProcessingRequest]) -> None:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(_message(), max_size=8))
+@given(st.lists(message(), max_size=8))
 def test_fuzz_message_sequences_never_raise_and_never_leak_load(msgs):
     """Any sequence of well-formed ext_proc messages, in any order, with any fields."""
     _check_stream(make_app(), msgs)
