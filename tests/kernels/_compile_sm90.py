@@ -21,17 +21,33 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kvmesh.engine.kernels._decode_kernel import decode_reduce_kernel, decode_split_kernel  # noqa: E402
 from kvmesh.engine.kernels._extend_kernel import extend_attention_kernel  # noqa: E402
+from kvmesh.engine.kernels._gated_delta_kernel import (  # noqa: E402
+    gd_chunk_prep_kernel,
+    gd_chunk_scan_kernel,
+    gd_recurrent_step_kernel,
+)
+from kvmesh.engine.kernels.gated_delta_triton import (  # noqa: E402
+    PREP_LAUNCH,
+    SCAN_LAUNCH,
+    STEP_LAUNCH,
+    value_tile,
+)
 from kvmesh.engine.kernels._rmsnorm_kernel import rms_norm_kernel  # noqa: E402
 from kvmesh.engine.kernels._rope_kernel import rope_write_kv_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+SHARED_MEMORY_LIMIT = 232448  # bytes per block on sm_90 (227 KiB); a launch over it fails
 
 
 def compile_kernel(fn, types: dict[str, str], constexprs: dict, **options) -> None:
-    """Compile ``fn`` with pointer/float types from ``types`` and i32 for other runtime args."""
+    """Compile ``fn`` with pointer/float types from ``types`` and i32 for other runtime args, and
+    check its shared memory fits an sm_90 block."""
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     src = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    triton.compile(src, target=TARGET, options={"num_warps": 4, **options})
+    kernel = triton.compile(src, target=TARGET, options={"num_warps": 4, **options})
+    if kernel.metadata.shared > SHARED_MEMORY_LIMIT:
+        raise RuntimeError(f"{fn.__name__} {constexprs} {options} needs {kernel.metadata.shared} bytes of "
+                           f"shared memory; sm_90 has {SHARED_MEMORY_LIMIT}")
 
 
 def _ptrs(names: list[str], dtype: str) -> dict[str, str]:
@@ -73,7 +89,30 @@ def main() -> int:
         consts = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": head_dim, "DOT_DTYPE": dot, "DOT_PRECISION": prec}
         compile_kernel(extend_attention_kernel, types, consts)
         print(f"extend_attention_kernel {dt}")
+    compile_gated_delta()
     return 0
+
+
+def compile_gated_delta() -> None:
+    """The gated delta rule's kernels (fp32 only) at Qwen3.5's head sizes (Dk = Dv = 128) and a
+    small one; the scan with and without captures."""
+    for dk, dv, bt in ((128, 128, 64), (64, 64, 16)):
+        bk, bv = dk, value_tile(dk, dv)
+        types = _ptrs(["k_ptr", "v_ptr", "g_ptr", "beta_ptr", "u_ptr", "w_ptr", "cum_ptr"], "fp32")
+        compile_kernel(gd_chunk_prep_kernel, types, {"BT": bt, "BK": bk, "BDV": dv}, **PREP_LAUNCH)
+        print(f"gd_chunk_prep_kernel dk={dk} dv={dv} chunk={bt}")
+        for capture in (False, True):
+            types = {
+                **_ptrs(["q_ptr", "k_ptr", "u_ptr", "w_ptr", "cum_ptr", "s0_ptr", "out_ptr", "s1_ptr", "cap_ptr"],
+                        "fp32"),
+                **_ptrs(["cap_tok_ptr", "cap_row_ptr", "cap_lo_ptr"], "i32"),
+            }
+            compile_kernel(gd_chunk_scan_kernel, types, {"BT": bt, "BK": bk, "BV": bv, "HAS_CAPTURE": capture},
+                           **SCAN_LAUNCH)
+            print(f"gd_chunk_scan_kernel dk={dk} dv={dv} chunk={bt} capture={capture}")
+        types = _ptrs(["q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "s0_ptr", "out_ptr", "s1_ptr"], "fp32")
+        compile_kernel(gd_recurrent_step_kernel, types, {"BK": bk, "BV": bv}, **STEP_LAUNCH)
+        print(f"gd_recurrent_step_kernel dk={dk} dv={dv}")
 
 
 if __name__ == "__main__":
