@@ -1,9 +1,9 @@
 """Triton kernels behind :mod:`kvmesh.engine.kernels.gated_delta_triton` (the gated delta rule).
 
 Imported lazily: ``triton.jit`` decides between compiling and interpreting when this
-module is first imported. Everything is fp32 (inputs, gates, state, products with IEEE
-``tl.dot``): the recurrent state accumulates over a whole sequence, and TF32 products would
-drift from the fp32 reference the engine is held to.
+module is first imported. Everything is fp32 (inputs, gates, state); ``tl.dot`` runs at
+``DOT_PRECISION``, which the wrapper sets to "ieee": the recurrent state accumulates over a
+whole sequence, and TF32 products would drift from the fp32 reference the engine is held to.
 
 Chunked prefill is two launches:
 
@@ -33,6 +33,7 @@ def gd_chunk_prep_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
     BDV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Program (b * H + h, chunk). Rows past ``seq_len`` load as zeros (g = beta = 0: decay 1, no
     write), so every one of the chunk's BT scratch rows is written and the scan reads them unmasked.
@@ -63,7 +64,7 @@ def gd_chunk_prep_kernel(
 
     strict = i[:, None] > i[None, :]
     k_beta = k * beta[:, None]
-    kk = tl.dot(k_beta, tl.trans(k), input_precision="ieee")
+    kk = tl.dot(k_beta, tl.trans(k), input_precision=DOT_PRECISION)
     # The exponent is zeroed above the diagonal before exp: cum_i - cum_j > 0 there and could overflow.
     a = tl.where(strict, kk * tl.exp(tl.where(strict, cum[:, None] - cum[None, :], 0.0)), 0.0)
 
@@ -76,8 +77,8 @@ def gd_chunk_prep_kernel(
         t_r = tl.where(i == r, 1.0, 0.0) - tl.sum(a_r[:, None] * t, 0)
         t = tl.where(i[:, None] == r, t_r[None, :], t)
 
-    u = tl.dot(t, v * beta[:, None], input_precision="ieee")
-    w = tl.dot(t, k_beta * tl.exp(cum)[:, None], input_precision="ieee")
+    u = tl.dot(t, v * beta[:, None], input_precision=DOT_PRECISION)
+    w = tl.dot(t, k_beta * tl.exp(cum)[:, None], input_precision=DOT_PRECISION)
     srow = (bh.to(tl.int64) * num_chunks + chunk) * BT + i
     tl.store(u_ptr + srow[:, None] * dv + dv_r[None, :], u, mask=dv_ok[None, :])
     tl.store(w_ptr + srow[:, None] * dk + dk_r[None, :], w, mask=dk_ok[None, :])
@@ -97,6 +98,7 @@ def gd_chunk_scan_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     HAS_CAPTURE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Program (b * H + h, Dv tile): columns ``tile * BV ..`` of the state, walked through the chunks.
 
@@ -141,10 +143,10 @@ def gd_chunk_scan_kernel(
         w = tl.load(w_ptr + srow[:, None] * dk + dk_r[None, :], mask=dk_ok[None, :], other=0.0)
         cum = tl.load(cum_ptr + srow)
 
-        v_new = u - tl.dot(w, s, input_precision="ieee")
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        v_new = u - tl.dot(w, s, input_precision=DOT_PRECISION)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         attn = tl.where(causal, qk * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
-        o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision="ieee") + tl.dot(attn, v_new, input_precision="ieee")
+        o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision=DOT_PRECISION) + tl.dot(attn, v_new, input_precision=DOT_PRECISION)
         tl.store(o_base + rows[:, None].to(tl.int64) * stride_ot + dv_c[None, :], o,
                  mask=row_ok[:, None] & dv_ok[None, :])
 
@@ -156,7 +158,7 @@ def gd_chunk_scan_kernel(
                 c_end = tl.sum(tl.where(i == m - 1, cum, 0.0), 0)
                 inside = i < m
                 keep = tl.where(inside, tl.exp(tl.where(inside, c_end - cum, 0.0)), 0.0)
-                s_m = s * tl.exp(c_end) + tl.dot(tl.trans(k * keep[:, None]), v_new, input_precision="ieee")
+                s_m = s * tl.exp(c_end) + tl.dot(tl.trans(k * keep[:, None]), v_new, input_precision=DOT_PRECISION)
                 row = tl.load(cap_row_ptr + ci).to(tl.int64)
                 dst = cap_ptr + (row * num_heads + h) * dk * dv
                 tl.store(dst + dk_r[:, None] * dv + dv_c[None, :], s_m, mask=s_mask)
@@ -165,7 +167,7 @@ def gd_chunk_scan_kernel(
 
         c_last = tl.sum(tl.where(i == BT - 1, cum, 0.0), 0)
         k_dec = k * tl.exp(c_last - cum)[:, None]
-        s = s * tl.exp(c_last) + tl.dot(tl.trans(k_dec), v_new, input_precision="ieee")
+        s = s * tl.exp(c_last) + tl.dot(tl.trans(k_dec), v_new, input_precision=DOT_PRECISION)
 
     s1 = s1_ptr + bh.to(tl.int64) * dk * dv
     tl.store(s1 + dk_r[:, None] * dv + dv_c[None, :], s, mask=s_mask)

@@ -7,9 +7,10 @@ that is read and never written, right-padded batches (a zero-padded position lea
 unchanged), and ``capture`` (sequence, tokens) pairs answered with the state after that many
 tokens, computed inside the scan from the state at the chunk's start.
 
-The chunk size is the reference's rule (``min(chunk, max(16, next_pow2(T)))``); results
-equal the reference up to fp32 rounding (the triangular inverse is formed by forward
-substitution instead of a LAPACK solve, sums run in another order).
+Chunks are 16 tokens (``KERNEL_CHUNK``, for register pressure; the reference uses 64). The
+math does not depend on the chunk size, and results equal the reference up to fp32 rounding
+(the triangular inverse is formed by forward substitution instead of a LAPACK solve, sums run
+in another order).
 """
 
 from __future__ import annotations
@@ -17,14 +18,19 @@ from __future__ import annotations
 import torch
 
 from ._common import check_triton_launch, next_power_of_2, require_last_dim_contiguous
-from .gated_delta import CHUNK
 
 
-# Launch options, shared with the sm_90 compile check. The scan's loop loads five chunk tiles;
-# Triton's default three pipeline stages would need ~266 KiB of shared memory at Dk = Dv = 128
-# (an H100 has 227 KiB per block), two stages need ~161 KiB.
-PREP_LAUNCH = {"num_warps": 4}
-SCAN_LAUNCH = {"num_warps": 4, "num_stages": 2}
+# Chunk size and launch options, shared with the sm_90 compile check. fp32 products with IEEE
+# rounding (no TF32) keep agreement with the fp32 reference; Triton lowers them to FMA loops whose
+# operands live in registers, so at Dk = Dv = 128 the tile sizes are bounded by spills, read from
+# the sm_90 cubins (cuobjdump --dump-resource-usage, stack bytes per thread): the prep kernel
+# spills 24 KiB at 64-token chunks, 1 KiB at 32 and nothing at 16; the scan 14.8 KiB at 64
+# (and needs ~266 KiB of shared memory with three pipeline stages, over an H100 block's 227 KiB),
+# 7.8 KiB at 32 and 2 KiB at 16 with one stage. Not yet timed on a GPU.
+KERNEL_CHUNK = 16
+DOT_PRECISION = "ieee"
+PREP_LAUNCH = {"num_warps": 4, "num_stages": 1}
+SCAN_LAUNCH = {"num_warps": 4, "num_stages": 1}
 STEP_LAUNCH = {"num_warps": 4}
 
 
@@ -65,12 +71,13 @@ def _sorted_captures(capture: list[tuple[int, int]], b: int, t: int, device: tor
 
 
 def chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   state: torch.Tensor, chunk: int = CHUNK,
+                   state: torch.Tensor, chunk: int = KERNEL_CHUNK,
                    capture: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Triton :func:`gated_delta.chunked`: q, k [B, H, T, Dk]; v [B, H, T, Dv]; g, beta [B, H, T];
     state [B, H, Dk, Dv] -> (out [B, H, T, Dv], final state, captured [N, H, Dk, Dv] or None).
 
-    Inputs may be strided views (e.g. ``[B, T, H, D].transpose(1, 2)``) with a unit last stride.
+    ``chunk`` is the kernels' chunk size (the reference's default is 64; the result does not
+    depend on it). Inputs may be strided views (e.g. ``[B, T, H, D].transpose(1, 2)``) with a unit last stride.
     Scratch: u, w and the cumulative decays of every padded position, ``B*H*T*(Dk+Dv+1)`` fp32.
     """
     b, h, t, dk = k.shape
@@ -106,7 +113,7 @@ def chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         g.stride(0), g.stride(1), g.stride(2),
         beta.stride(0), beta.stride(1), beta.stride(2),
         h, t, n, dk, dv,
-        BT=bt, BK=bk, BDV=max(16, next_power_of_2(dv)),
+        BT=bt, BK=bk, BDV=max(16, next_power_of_2(dv)), DOT_PRECISION=DOT_PRECISION,
         **PREP_LAUNCH,
     )
     final = torch.empty(b, h, dk, dv, dtype=torch.float32, device=v.device)
@@ -120,7 +127,7 @@ def chunked_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         state.stride(0), state.stride(1), state.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         h, t, n, dk, dv,
-        BT=bt, BK=bk, BV=bv, HAS_CAPTURE=captured is not None,
+        BT=bt, BK=bk, BV=bv, HAS_CAPTURE=captured is not None, DOT_PRECISION=DOT_PRECISION,
         **SCAN_LAUNCH,
     )
     return out, final, captured

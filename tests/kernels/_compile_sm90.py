@@ -27,6 +27,8 @@ from kvmesh.engine.kernels._gated_delta_kernel import (  # noqa: E402
     gd_recurrent_step_kernel,
 )
 from kvmesh.engine.kernels.gated_delta_triton import (  # noqa: E402
+    DOT_PRECISION,
+    KERNEL_CHUNK,
     PREP_LAUNCH,
     SCAN_LAUNCH,
     STEP_LAUNCH,
@@ -94,12 +96,13 @@ def main() -> int:
 
 
 def compile_gated_delta() -> None:
-    """The gated delta rule's kernels (fp32 only) at Qwen3.5's head sizes (Dk = Dv = 128) and a
-    small one; the scan with and without captures."""
-    for dk, dv, bt in ((128, 128, 64), (64, 64, 16)):
+    """The gated delta rule's kernels (fp32 only) at Qwen3.5's head sizes (Dk = Dv = 128) with the
+    default chunk, and at 64 with the reference's 64-token chunk; the scan with and without captures."""
+    for dk, dv, bt in ((128, 128, KERNEL_CHUNK), (64, 64, 64)):
         bk, bv = dk, value_tile(dk, dv)
         types = _ptrs(["k_ptr", "v_ptr", "g_ptr", "beta_ptr", "u_ptr", "w_ptr", "cum_ptr"], "fp32")
-        compile_kernel(gd_chunk_prep_kernel, types, {"BT": bt, "BK": bk, "BDV": dv}, **PREP_LAUNCH)
+        compile_kernel(gd_chunk_prep_kernel, types, {"BT": bt, "BK": bk, "BDV": dv, "DOT_PRECISION": DOT_PRECISION},
+                       **PREP_LAUNCH)
         print(f"gd_chunk_prep_kernel dk={dk} dv={dv} chunk={bt}")
         for capture in (False, True):
             types = {
@@ -107,7 +110,8 @@ def compile_gated_delta() -> None:
                         "fp32"),
                 **_ptrs(["cap_tok_ptr", "cap_row_ptr", "cap_lo_ptr"], "i32"),
             }
-            compile_kernel(gd_chunk_scan_kernel, types, {"BT": bt, "BK": bk, "BV": bv, "HAS_CAPTURE": capture},
+            compile_kernel(gd_chunk_scan_kernel, types, {"BT": bt, "BK": bk, "BV": bv, "HAS_CAPTURE": capture,
+                                                         "DOT_PRECISION": DOT_PRECISION},
                            **SCAN_LAUNCH)
             print(f"gd_chunk_scan_kernel dk={dk} dv={dv} chunk={bt} capture={capture}")
         types = _ptrs(["q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "s0_ptr", "out_ptr", "s1_ptr"], "fp32")
