@@ -146,7 +146,8 @@ def gd_chunk_scan_kernel(
         v_new = u - tl.dot(w, s, input_precision=DOT_PRECISION)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         attn = tl.where(causal, qk * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
-        o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision=DOT_PRECISION) + tl.dot(attn, v_new, input_precision=DOT_PRECISION)
+        o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision=DOT_PRECISION)
+        o += tl.dot(attn, v_new, input_precision=DOT_PRECISION)
         tl.store(o_base + rows[:, None].to(tl.int64) * stride_ot + dv_c[None, :], o,
                  mask=row_ok[:, None] & dv_ok[None, :])
 
