@@ -1,4 +1,4 @@
-"""Attention, RMSNorm and RoPE kernels for the kvmesh engine.
+"""Attention, RMSNorm, RoPE and gated delta rule kernels for the kvmesh engine.
 
 Every module pairs a torch reference (``*_ref``, the production CPU path, also the test
 oracle) with a Triton kernel (``*_triton``, the CUDA path) of the same signature:
@@ -13,6 +13,9 @@ oracle) with a Triton kernel (``*_triton``, the CUDA path) of the same signature
   one query per sequence; the Triton version takes ``num_splits`` (split-K).
 - ``extend_attention.paged_extend_attention_*(q, k_cache, v_cache, block_tables,
   query_start_loc, seq_lens, scale)``: causal attention for a flat batch of new tokens.
+- ``gated_delta.chunked`` / ``recurrent_step`` and ``gated_delta_triton.chunked_triton`` /
+  ``recurrent_step_triton``: the gated delta rule of hybrid models (prefill scan with
+  checkpoint captures, decode step), chosen as a set by ``gated_delta.gated_delta_kernels``.
 
 ``cpu_native.paged_decode_attention_cpu`` has the decode contract too: a C kernel built on
 first use that reads K/V straight from the paged cache instead of gathering a padded copy;

@@ -16,8 +16,9 @@ lets a prompt be prefilled in pieces, resumed after a step, or restored from a c
 
 Inputs are expected already L2-normalised (q, k), q already scaled by ``Dk ** -0.5``, and
 grouped heads already expanded, all in fp32: the caller owns those steps so the state stays
-in fp32 whatever the model dtype. ``GatedDeltaKernels`` is the seam a Triton implementation
-of the chunked scan would plug into (same signatures); the torch functions are the reference.
+in fp32 whatever the model dtype. ``GatedDeltaKernels`` is the seam the engine calls through:
+"torch" (these functions, the reference and the CPU path) or "triton" (``gated_delta_triton``:
+the chunked scan and the recurrent step as Triton kernels, the conv from here).
 """
 
 from __future__ import annotations
@@ -144,9 +145,8 @@ def _capture(points: list[tuple[int, int, int]], s: torch.Tensor, cum: torch.Ten
 
 @dataclass(frozen=True)
 class GatedDeltaKernels:
-    """The DeltaNet layer's kernels, chosen once per engine. A GPU build would put a Triton
-    chunked scan (and step) here with the same signatures; kvmesh ships the torch reference
-    only, which runs on any device."""
+    """The DeltaNet layer's kernels, chosen once per engine with the attention backend. Every
+    set has the torch functions' signatures and contracts (captures included)."""
 
     name: str
     chunked: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
@@ -156,7 +156,13 @@ class GatedDeltaKernels:
 
 
 def gated_delta_kernels(name: str = "torch") -> GatedDeltaKernels:
-    """The kernel set called ``name``; only "torch" exists (used on CPU and, for now, on CUDA)."""
-    if name != "torch":
-        raise ValueError(f"no gated DeltaNet kernels called {name!r}; kvmesh has 'torch'")
-    return GatedDeltaKernels("torch", chunked, recurrent_step, causal_conv_prefill, causal_conv_step)
+    """The kernel set called ``name``: "torch" (any device) or "triton" (CUDA, or CPU under
+    ``TRITON_INTERPRET=1``; the short conv stays on torch, it is a few elementwise ops)."""
+    if name == "torch":
+        return GatedDeltaKernels("torch", chunked, recurrent_step, causal_conv_prefill, causal_conv_step)
+    if name == "triton":
+        from .gated_delta_triton import chunked_triton, recurrent_step_triton
+
+        return GatedDeltaKernels("triton", chunked_triton, recurrent_step_triton, causal_conv_prefill,
+                                 causal_conv_step)
+    raise ValueError(f"no gated DeltaNet kernels called {name!r}; kvmesh has 'torch' and 'triton'")

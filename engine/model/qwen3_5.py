@@ -94,7 +94,7 @@ class Qwen35Model:
         self.backend = backend
         self.dtype = dtype
         self.device = device
-        self.kernels = kernels or gated_delta_kernels("torch")
+        self.kernels = kernels or gated_delta_kernels(backend.name)  # the scan follows the attention backend
         self.scale = c.head_dim ** -0.5
         shapes = hybrid_weight_shapes(c)
 

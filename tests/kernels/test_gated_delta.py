@@ -118,4 +118,4 @@ def test_conv_prefill_then_steps_equal_one_prefill():
 def test_unknown_kernel_set_is_refused():
     """Asking for a kernel set that does not exist names the ones that do."""
     with pytest.raises(ValueError, match="'torch'"):
-        gd.gated_delta_kernels("triton")
+        gd.gated_delta_kernels("cuda")
