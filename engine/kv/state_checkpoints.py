@@ -19,7 +19,7 @@ events (engine/kv/events.py, the ``state-*`` media).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.engine.block_hash import BlockHash
@@ -127,6 +127,19 @@ class CheckpointIndex:
                                  f"{len(self._reserved)}, published {len(published)}, capacity {self.capacity}")
         if any(self._hash_of[i] != h for h, i in self._by_hash.items()):
             raise AssertionError("checkpoint hash index and entry table disagree")
+
+
+def restorable_blocks(hashes: Sequence[BlockHash], num_kv_blocks: int,
+                      has_checkpoint: Callable[[BlockHash], bool]) -> int:
+    """What a hybrid prefix hit can use of ``num_kv_blocks`` leading cached KV blocks: the longest
+    ``j <= num_kv_blocks`` whose block ``j - 1`` has a checkpoint (0: none). The engine's
+    admission and the router's prediction (engine/router/index.py) both decide with this
+    function, so they agree whenever they see the same index. Pure function.
+    """
+    for j in range(num_kv_blocks, 0, -1):
+        if has_checkpoint(hashes[j - 1]):
+            return j
+    return 0
 
 
 def capture_points(start: int, end: int, num_prompt_tokens: int, block_size: int,

@@ -15,7 +15,14 @@ import zmq
 
 from kvmesh.engine.kv.event_publisher import KVEventPublisher
 from kvmesh.engine.kv.event_wire import LLMD_FORMAT, TopicError, TopicScheme, llmd_topic
-from kvmesh.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
+from kvmesh.engine.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventLog,
+    checkpoint_removed,
+    checkpoint_stored,
+)
 from kvmesh.engine.server.cli import ServeArgsError, add_serve_arguments, settings_from_args
 from kvmesh.engine.util.localproc import free_port_pair
 
@@ -108,6 +115,24 @@ def test_llmd_indexer_places_the_cached_prefix_on_the_pod(stream):
         index.digest(parse_frames(f))
     assert index.dropped == ["AllBlocksCleared: number of fields in array-encoded struct has changed"]
     assert index.longest_prefix(a + b, MODEL, POD) == 3
+
+
+def test_llmd_indexer_ignores_checkpoint_records(stream):
+    """A hybrid engine's checkpoint records (medium ``state-gpu``, no tokens) change nothing in
+    llm-d's index: the stored one is dropped (no tokens, so no keys), the removed one only touches
+    the (pod, state-gpu) entry, which never existed, so the KV blocks stay placed on the pod."""
+    log, _, reader = stream
+    a = _tokens(100, 3)
+    log.publish(BlockStored([_h(1), _h(2), _h(3)], None, a, BS))
+    log.publish(checkpoint_stored([_h(2), _h(3)], BS))
+    log.publish(checkpoint_removed([_h(3)]))
+    log.publish(checkpoint_removed([_h(2)]))
+    index = LlmdIndex(BS)
+    for f in reader.drain():
+        index.digest(parse_frames(f))
+    assert index.dropped == ["BlockStored: no keys or entries provided for adding to index"]
+    assert index.longest_prefix(a, MODEL, POD) == 3
+    assert {t for held in index.pods.values() for _, t in held} == {"gpu"}
 
 
 @pytest.mark.parametrize("stream", [False], indirect=True)
