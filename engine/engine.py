@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from kvmesh.engine.config import ConfigError, EngineConfig, parse_dtype
-from kvmesh.engine.block_hash import chain_root, extra_key
+from kvmesh.engine.block_hash import BlockHash, chain_root, extra_key
 from kvmesh.engine.disagg.decode_side import DecodeRole, DecodeTransfers
 from kvmesh.engine.disagg.errors import HandoffError
 from kvmesh.engine.disagg.prefill_side import PrefillRole
 from kvmesh.engine.kv.gather import scatter_blocks
-from kvmesh.engine.kv.events import KVEvent, KVEventLog
+from kvmesh.engine.kv.events import KVEvent, KVEventLog, checkpoint_removed, checkpoint_stored
 from kvmesh.engine.kv.kv_manager import KVCacheManager
 from kvmesh.engine.kv.hybrid_state import HybridStateManager, StepStatePlan
 from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, CheckpointStats
@@ -235,7 +235,9 @@ class LLMEngine:
         if hybrid:
             ckpts = None
             if num_checkpoints:
-                ckpts = CheckpointIndex(num_checkpoints, StatePool.bytes_per_slot(self.model_config, self.dtype.itemsize))
+                ckpts = CheckpointIndex(num_checkpoints, StatePool.bytes_per_slot(self.model_config, self.dtype.itemsize),
+                                        on_publish=self._on_checkpoint_published,
+                                        on_evict=self._on_checkpoint_evicted)
             self.state_slots = HybridStateManager(cfg.max_num_seqs, cfg.block_size, ckpts,
                                                   cfg.state_checkpoint_interval)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -263,6 +265,14 @@ class LLMEngine:
         self.events.publish(event)
         if self.tiers is not None:
             self.tiers.on_primary_event(event)
+
+    def _on_checkpoint_published(self, h: BlockHash) -> None:
+        # Subscribers (the router) learn which block ends have a restore point: a hybrid prefix
+        # hit stops at the last of them (engine/kv/state_checkpoints.restorable_blocks).
+        self.events.publish(checkpoint_stored([h], self.config.block_size))
+
+    def _on_checkpoint_evicted(self, h: BlockHash) -> None:
+        self.events.publish(checkpoint_removed([h]))
 
     def _on_evict(self, blocks: list) -> None:
         self._kv_evictions += len(blocks)

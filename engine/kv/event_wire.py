@@ -12,7 +12,10 @@ engines (Dynamo's ZMQ relay, llm-d's precise prefix-cache scorer) can read kvmes
   lora_name]``, ``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]``. Every
   field is sent, nil where kvmesh has no value (``data_parallel_rank``, ``lora_id``,
   ``lora_name``): llm-d's decoder refuses an array whose length is not its struct's. ``medium`` is the
-  tier (``gpu``, ``cpu``, ``remote``). kvmesh sends one record per message, so the message
+  tier (``gpu``, ``cpu``, ``remote``), or for a hybrid model's recurrent-state checkpoints
+  ``state-gpu`` (``state-cpu``, ``state-remote``): the same two records, one or more hashes, no
+  parent, never token ids (even with ``--kv-events-token-ids``), so every vLLM-layout decoder
+  reads them and one that keys on tokens (llm-d's) drops them. kvmesh sends one record per message, so the message
   ``seq`` is the record's ``KVEventLog`` sequence number and a gap in ``seq`` is a lost record.
   The topic is ``kv-events/<engine id>``: a subscriber that subscribes to the prefix
   ``kv-events`` receives every engine's stream and can still tell them apart.
@@ -43,7 +46,16 @@ from typing import Any
 import msgspec
 
 from kvmesh.engine.block_hash import BlockHash
-from .events import TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventRecord, KVSnapshot
+from .events import (
+    MEDIA,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventRecord,
+    KVSnapshot,
+    is_state_medium,
+)
 
 TOPIC_PREFIX = b"kv-events"
 REPLAY_END = (-1).to_bytes(8, "big", signed=True)
@@ -168,10 +180,12 @@ _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
 def from_internal(event: KVEvent, token_ids: bool = True) -> WireEvent:
     """``token_ids=False`` sends ``BlockStored`` with an empty token list (the prompt stays private;
-    hash-based indexers need none of it)."""
+    hash-based indexers need none of it). A checkpoint record never carries tokens: a consumer
+    that keys on them would index the checkpoint as a KV block."""
     if isinstance(event, BlockStored):
+        send = token_ids and not is_state_medium(event.tier)
         return WireBlockStored(list(event.block_hashes), event.parent_hash,
-                               list(event.token_ids) if token_ids else [], event.block_size, None, event.tier)
+                               list(event.token_ids) if send else [], event.block_size, None, event.tier)
     if isinstance(event, BlockRemoved):
         return WireBlockRemoved(list(event.block_hashes), event.tier)
     if isinstance(event, AllBlocksCleared):
@@ -187,8 +201,8 @@ def _hash(h: bytes | int) -> BlockHash:
 
 def _tier(medium: str | None) -> str:
     tier = (medium or "gpu").lower()
-    if tier not in TIERS:
-        raise WireFormatError(f"unknown medium {medium!r}; expected one of {', '.join(TIERS)}")
+    if tier not in MEDIA:
+        raise WireFormatError(f"unknown medium {medium!r}; expected one of {', '.join(MEDIA)}")
     return tier
 
 

@@ -5,8 +5,14 @@ its cache changes. ``KVEventLog`` turns them into an ordered stream: each record
 engine id and a sequence number that increases by exactly one per record, so a subscriber
 that polls ``since(last_seq)`` notices any gap and resynchronises from ``snapshot()``.
 
-Invariant: replaying the records ``1 .. snapshot().seq`` onto empty per-tier sets (stored adds,
-removed discards, cleared empties the tier) yields exactly ``snapshot().hashes``.
+Hybrid models' recurrent-state checkpoints (engine/kv/state_checkpoints.py) travel in the same
+stream as ``BlockStored`` / ``BlockRemoved`` records of their own media, ``state-gpu`` (the
+engine's checkpoint pool), ``state-cpu`` and ``state-remote``: a hash in ``state-gpu`` means
+"a checkpoint exists at the end of this block", not that its KV is cached. A checkpoint record
+names one or more hashes, no parent and no tokens (``checkpoint_stored``).
+
+Invariant: replaying the records ``1 .. snapshot().seq`` onto empty per-medium sets (stored adds,
+removed discards, cleared empties the medium) yields exactly ``snapshot().hashes``.
 """
 
 from __future__ import annotations
@@ -27,12 +33,30 @@ TIER_CPU = "cpu"
 TIER_REMOTE = "remote"
 """A cache node."""
 TIERS = (TIER_GPU, TIER_CPU, TIER_REMOTE)
+"""Where KV blocks live."""
+STATE_MEDIA = {TIER_GPU: "state-gpu", TIER_CPU: "state-cpu", TIER_REMOTE: "state-remote"}
+"""KV tier -> the medium of recurrent-state checkpoints kept there (hybrid models)."""
+MEDIA = TIERS + tuple(STATE_MEDIA.values())
+"""Every ``tier`` an event may carry (the ``medium`` field on the wire)."""
 
 
 def check_tier(tier: str) -> str:
+    """A KV tier (where a pool keeps blocks)."""
     if tier not in TIERS:
         raise ValueError(f"unknown KV tier {tier!r}; use one of {', '.join(TIERS)}")
     return tier
+
+
+def check_medium(medium: str) -> str:
+    """What an event may name: a KV tier or a checkpoint medium."""
+    if medium not in MEDIA:
+        raise ValueError(f"unknown KV tier or checkpoint medium {medium!r}; use one of {', '.join(MEDIA)}")
+    return medium
+
+
+def is_state_medium(tier: str) -> bool:
+    """True for the media of recurrent-state checkpoints (not KV blocks)."""
+    return tier.startswith("state-")
 
 
 @dataclass(frozen=True)
@@ -71,13 +95,25 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 KVEventHandler = Callable[[KVEvent], None]
 
 
+def checkpoint_stored(hashes: list[BlockHash], block_size: int, tier: str = TIER_GPU) -> BlockStored:
+    """Checkpoints now exist at the ends of the blocks ``hashes`` name (in ``tier``'s checkpoint
+    store). No parent and no tokens: each hash stands alone, and a consumer that builds keys from
+    tokens (llm-d's indexer) drops the record instead of indexing it as KV."""
+    return BlockStored(list(hashes), None, [], block_size, STATE_MEDIA[tier])
+
+
+def checkpoint_removed(hashes: list[BlockHash], tier: str = TIER_GPU) -> BlockRemoved:
+    """The checkpoints at ``hashes`` were evicted from ``tier``'s checkpoint store."""
+    return BlockRemoved(list(hashes), STATE_MEDIA[tier])
+
+
 def apply_event(tiers: dict[str, set[BlockHash]], event: KVEvent) -> None:
     """Apply one event to per-tier hash sets: stored adds, removed discards, cleared empties.
 
     The one definition of what an event means for cache contents; the engine's log, every
     mirror of it and the router's index all replay events through it.
     """
-    cached = tiers.setdefault(check_tier(event.tier), set())
+    cached = tiers.setdefault(check_medium(event.tier), set())
     if isinstance(event, BlockStored):
         cached.update(event.block_hashes)
     elif isinstance(event, BlockRemoved):
@@ -128,7 +164,7 @@ class KVEventLog:
         self._cached: dict[str, set[BlockHash]] = {t: set() for t in TIERS}
 
     def publish(self, event: KVEvent) -> KVEventRecord:
-        check_tier(event.tier)  # reject before the event takes a sequence number
+        check_medium(event.tier)  # reject before the event takes a sequence number
         with self._lock:
             self._seq += 1
             rec = KVEventRecord(self._seq, self.engine_id, self._clock(), event)

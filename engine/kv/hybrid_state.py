@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.engine.block_hash import BlockHash
-from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, CheckpointStats, capture_points
+from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, CheckpointStats, capture_points, restorable_blocks
 from kvmesh.engine.kv.state_slots import StateSlots
 
 # (request id, all tokens, root, number of blocks) -> the request's first chain hashes
@@ -59,13 +59,11 @@ class HybridStateManager:
     def hit(self, hashes: Sequence[BlockHash], num_kv_blocks: int) -> tuple[int, int | None]:
         """(blocks, entry): the longest prefix of ``num_kv_blocks`` cached KV blocks whose last
         block has a checkpoint, and that checkpoint's entry; (0, None) when there is none."""
-        if self.checkpoints is None:
+        ck = self.checkpoints
+        if ck is None:
             return 0, None
-        for j in range(num_kv_blocks, 0, -1):
-            idx = self.checkpoints.lookup(hashes[j - 1])
-            if idx is not None:
-                return j, idx
-        return 0, None
+        j = restorable_blocks(hashes, num_kv_blocks, ck.__contains__)
+        return (j, ck.lookup(hashes[j - 1])) if j else (0, None)
 
     def allocate(self, request_id: str, restore: int | None = None) -> int:
         """Give an admitted request a slot; ``restore``: the checkpoint entry its hit resumes from

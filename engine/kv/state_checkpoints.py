@@ -9,11 +9,17 @@ keeps the bookkeeping: which entry holds which hash, least-recently-used evictio
 An entry is *free*, *reserved* (a step is writing it, or a request keeps its latest
 generation-region state there until it finishes) or *published* (indexed by hash, evictable
 unless pinned by a restore in flight).
+
+Two optional hooks tell the outside which hashes have a checkpoint: ``on_publish(h)`` when a hash
+becomes indexed (not for a duplicate of a hash already held) and ``on_evict(h)`` when its entry
+is reused; between the two calls for ``h``, ``h in index`` holds. The engine turns them into KV
+events (engine/kv/events.py, the ``state-*`` media).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.engine.block_hash import BlockHash
@@ -35,7 +41,9 @@ class CheckpointStats:
 class CheckpointIndex:
     """hash -> entry over ``capacity`` entries with LRU eviction of unpinned published ones."""
 
-    def __init__(self, capacity: int, entry_bytes: int = 0) -> None:
+    def __init__(self, capacity: int, entry_bytes: int = 0,
+                 on_publish: Callable[[BlockHash], None] | None = None,
+                 on_evict: Callable[[BlockHash], None] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"a checkpoint pool needs at least one entry, got {capacity}")
         self.capacity = capacity
@@ -45,6 +53,8 @@ class CheckpointIndex:
         self._pins: dict[int, int] = {}
         self._reserved: set[int] = set()
         self.stats = CheckpointStats(capacity=capacity, entry_bytes=entry_bytes)
+        self._on_publish = on_publish
+        self._on_evict = on_evict
 
     def __contains__(self, h: BlockHash) -> bool:
         return h in self._by_hash
@@ -81,6 +91,8 @@ class CheckpointIndex:
             idx = self._by_hash.pop(victim)
             del self._hash_of[idx]
             self.stats.evictions += 1
+            if self._on_evict is not None:
+                self._on_evict(victim)
         self._reserved.add(idx)
         return idx
 
@@ -100,6 +112,8 @@ class CheckpointIndex:
         self._by_hash[h] = idx
         self._hash_of[idx] = h
         self.stats.saves += 1
+        if self._on_publish is not None:
+            self._on_publish(h)
 
     def snapshot(self) -> CheckpointStats:
         return CheckpointStats(**{**self.stats.__dict__, "published": len(self._by_hash)})
@@ -113,6 +127,19 @@ class CheckpointIndex:
                                  f"{len(self._reserved)}, published {len(published)}, capacity {self.capacity}")
         if any(self._hash_of[i] != h for h, i in self._by_hash.items()):
             raise AssertionError("checkpoint hash index and entry table disagree")
+
+
+def restorable_blocks(hashes: Sequence[BlockHash], num_kv_blocks: int,
+                      has_checkpoint: Callable[[BlockHash], bool]) -> int:
+    """What a hybrid prefix hit can use of ``num_kv_blocks`` leading cached KV blocks: the longest
+    ``j <= num_kv_blocks`` whose block ``j - 1`` has a checkpoint (0: none). The engine's
+    admission and the router's prediction (engine/router/index.py) both decide with this
+    function, so they agree whenever they see the same index. Pure function.
+    """
+    for j in range(num_kv_blocks, 0, -1):
+        if has_checkpoint(hashes[j - 1]):
+            return j
+    return 0
 
 
 def capture_points(start: int, end: int, num_prompt_tokens: int, block_size: int,

@@ -34,7 +34,7 @@ from kvmesh.engine.block_hash import HASH_FUNCTION, ROOT_HASH
 from kvmesh.engine.kv.events import KVEventRecord, KVSnapshot
 from kvmesh.engine.router.index import PrefixIndex, PrefixMatch
 from kvmesh.engine.router.policies import Endpoint
-from kvmesh.engine.router.prompt import PromptInfo, common_hash_spec
+from kvmesh.engine.router.prompt import PromptInfo, common_hash_spec, max_hit_blocks
 from kvmesh.engine.router.rates import PrefillClock, decode_seconds_per_seq, interval_median
 
 log = logging.getLogger("kvmesh.router.discovery")
@@ -210,6 +210,12 @@ class EngineState:
         return self.info.get("tokenizer") if self.info else None
 
     @property
+    def hybrid(self) -> bool:
+        """The engine runs a hybrid model (``/kv/info``): its prefix hits end at its last block
+        with a recurrent-state checkpoint."""
+        return bool(self.info.get("hybrid")) if self.info else False
+
+    @property
     def transfer_port(self) -> int | None:
         """The KV transfer port a decode engine reports in ``/kv/info`` (None: it receives no KV)."""
         port = self.info.get("transfer_port") if self.info else None
@@ -284,7 +290,11 @@ class Fleet:
             return {}, 16
         block_size, extra = spec
         hashes = info.hashes(block_size, extra)
-        return {url: self.index.match(url, hashes) for url, st in self.engines.items()
+        # A hybrid engine cuts its hit back from where its lookup stops, so stop there too.
+        looked_up = hashes[:max_hit_blocks(len(info.token_ids), block_size)]
+        return {url: self.index.match(url, looked_up, restore_points=True) if st.hybrid
+                else self.index.match(url, hashes)
+                for url, st in self.engines.items()
                 if st.block_size == block_size and st.extra == extra and self._same_chain(st)}, block_size
 
     def _same_chain(self, st: EngineState) -> bool:

@@ -9,6 +9,10 @@ Invariants:
   its events onto its last snapshot yields; memory is bounded by the fleet's cache size.
 - ``longest_prefix`` only counts a contiguous run from block 0: the hash chain makes block
   ``i`` name its whole prefix, so a hit after a miss cannot be used by the engine anyway.
+- A hybrid engine's match (``restore_points=True``) is that run cut back to its last block whose
+  end has a recurrent-state checkpoint (any ``state-*`` medium), by the function the engine's
+  admission uses (``state_checkpoints.restorable_blocks``); checkpoint hashes never count as
+  KV blocks.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from kvmesh.engine.kv.events import (
     KVEvent,
     KVSnapshot,
     apply_event,
-    check_tier,
+    check_medium,
+    is_state_medium,
 )
+from kvmesh.engine.kv.state_checkpoints import restorable_blocks
 
 TIER_WEIGHTS: Mapping[str, float] = {TIER_GPU: 1.0, TIER_CPU: 0.8, TIER_REMOTE: 0.5}
 """Worth of one matched block by the tier it sits in (gpu > cpu > remote): a gpu hit is free,
@@ -79,7 +85,7 @@ class PrefixIndex:
         """Replace everything known about ``engine`` with ``snapshot``'s contents."""
         entry = _EngineEntry()
         for tier, hashes in snapshot.hashes.items():
-            entry.tiers[check_tier(tier)] = set(hashes)
+            entry.tiers[check_medium(tier)] = set(hashes)
         self._engines[engine] = entry
 
     def remove_engine(self, engine: str) -> None:
@@ -111,26 +117,37 @@ class PrefixIndex:
     def total_size(self) -> int:
         return sum(len(s) for entry in self._engines.values() for s in entry.tiers.values())
 
-    def match(self, engine: str, hashes: Sequence[BlockHash]) -> PrefixMatch:
-        """``engine``'s longest cached prefix of ``hashes`` (``NO_MATCH`` for an unknown engine)."""
+    def match(self, engine: str, hashes: Sequence[BlockHash], restore_points: bool = False) -> PrefixMatch:
+        """``engine``'s longest cached prefix of ``hashes`` (``NO_MATCH`` for an unknown engine).
+
+        ``restore_points``: ``engine`` is hybrid, so the prefix ends at its last block with a
+        checkpoint. ``hashes`` must then stop where the engine's own lookup stops (it leaves the
+        prompt's last token to compute: ``prompt.max_hit_blocks``), since the cut back is made
+        from there.
+        """
         entry = self._engines.get(engine)
         if entry is None or not hashes:
             return NO_MATCH
         sets = [(t, entry.tiers[t]) for t in self._order if entry.tiers[t]]
-        counts = dict.fromkeys(self._order, 0)
-        n = 0
+        found: list[str] = []  # the tier each leading block was found in
         for h in hashes:
             for tier, s in sets:
                 if h in s:
-                    counts[tier] += 1
+                    found.append(tier)
                     break
             else:
                 break
-            n += 1
+        n = len(found)
+        if restore_points and n:
+            ckpts = [s for t, s in entry.tiers.items() if is_state_medium(t) and s]
+            n = restorable_blocks(hashes, n, lambda h: any(h in s for s in ckpts))
         if n == 0:
             return NO_MATCH
+        counts: dict[str, int] = {}
+        for tier in found[:n]:
+            counts[tier] = counts.get(tier, 0) + 1
         weighted = sum(self._weights[t] * c for t, c in counts.items())
-        return PrefixMatch(n, {t: c for t, c in counts.items() if c}, weighted)
+        return PrefixMatch(n, counts, weighted)
 
     def longest_prefix(self, hashes: Sequence[BlockHash], engines: Iterable[str] | None = None) -> dict[str, PrefixMatch]:
         """Every engine's (or each of ``engines``') longest cached prefix of ``hashes``."""

@@ -112,13 +112,16 @@ def _hashable(ids: Sequence[int]) -> bool:
     return all(0 <= t < 1 << 32 for t in ids)
 
 
-def matched_tokens(num_blocks: int, block_size: int, prompt_tokens: int) -> int:
-    """Prompt tokens an engine can skip given ``num_blocks`` matched blocks.
+def max_hit_blocks(prompt_tokens: int, block_size: int) -> int:
+    """The most whole blocks an engine looks up for a prompt: it always computes the prompt's
+    last token itself (it needs its logits)."""
+    return max(0, (prompt_tokens - 1) // block_size)
 
-    The engine always computes the prompt's last token itself (it needs its logits), so it
-    looks up at most ``(prompt_tokens - 1) // block_size`` whole blocks.
-    """
-    return max(0, min(num_blocks, (prompt_tokens - 1) // block_size)) * block_size
+
+def matched_tokens(num_blocks: int, block_size: int, prompt_tokens: int) -> int:
+    """Prompt tokens an engine can skip given ``num_blocks`` matched blocks (at most
+    ``max_hit_blocks`` of them)."""
+    return max(0, min(num_blocks, max_hit_blocks(prompt_tokens, block_size))) * block_size
 
 
 def common_hash_spec(specs: Sequence[tuple[int | None, bytes | None]]) -> tuple[int, bytes] | None:

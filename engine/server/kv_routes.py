@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from kvmesh.engine.block_hash import HASH_FUNCTION, ROOT_HASH
 from kvmesh.engine.kv.event_publisher import KVEventPublisher
 from kvmesh.engine.kv.event_wire import snapshot_to_json, topic_for
+from kvmesh.engine.kv.events import STATE_MEDIA, TIER_GPU
 from kvmesh.engine.api import errors
 from kvmesh.engine.server.async_engine import AsyncEngine, ServerState
 
@@ -38,6 +39,8 @@ def kv_info(engine: Any, publisher: KVEventPublisher | None) -> dict[str, Any]:
     ``extra_key`` is the exact byte string the engine hashes (hex); ``model``, ``dtype``,
     ``lora`` and ``cache_salt`` are its readable parts, so a router can either use the bytes
     as they are or rebuild them with ``block_hash.extra_key(model, dtype, lora, cache_salt)``.
+    ``hybrid`` says a prefix hit also needs a recurrent-state checkpoint at its end (a router
+    counts such an engine's hit only up to its last checkpointed block).
     """
     return {
         "engine_id": engine.engine_id,
@@ -53,7 +56,20 @@ def kv_info(engine: Any, publisher: KVEventPublisher | None) -> dict[str, Any]:
         "tokenizer": engine.tokenizer.fingerprint,
         "kv_events": kv_events_info(publisher, engine.engine_id),
         "tiers": [engine.kv.pool.tier],
+        "hybrid": bool(getattr(engine, "is_hybrid", False)),
+        "state_checkpoints": state_checkpoints_info(engine),
     }
+
+
+def state_checkpoints_info(engine: Any) -> dict[str, Any] | None:
+    """A hybrid engine's checkpoint pool as ``/kv/info`` reports it (None: not hybrid, or no pool,
+    so it gets no prefix hits at all). Its checkpoints appear in the KV events under ``medium``."""
+    states = getattr(engine, "state_slots", None)
+    stats = states.stats() if states is not None else None
+    if stats is None:
+        return None
+    return {"medium": STATE_MEDIA[TIER_GPU], "capacity": stats.capacity, "entry_bytes": stats.entry_bytes,
+            "interval_tokens": states.interval}
 
 
 def add_kv_routes(app: FastAPI, aengine: AsyncEngine, publisher: KVEventPublisher | None,

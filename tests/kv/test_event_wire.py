@@ -10,7 +10,15 @@ import msgspec
 import pytest
 
 from kvmesh.engine.kv import event_wire as w
-from kvmesh.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecord, KVSnapshot
+from kvmesh.engine.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventRecord,
+    KVSnapshot,
+    checkpoint_removed,
+    checkpoint_stored,
+)
 
 H = [bytes([i]) * 32 for i in range(1, 5)]
 EVENTS = [
@@ -99,6 +107,29 @@ def test_kvmesh_decodes_what_a_vllm_publisher_sends():
             msgspec.msgpack.encode([1.0, [["BlockStored", [7, -3], None, list(range(8)), 4, None, None],
                                           ["BlockRemoved", [7], "GPU"], ["AllBlocksCleared"]]])):
         assert [w.to_internal(e) for e in w.decode_payload(payload).events] == want
+
+
+CHECKPOINTS = [checkpoint_stored(H[:2], 4), checkpoint_removed([H[0]]), checkpoint_stored([H[3]], 4, "cpu"),
+               BlockStored([H[1]], H[0], [1, 2, 3, 4], 4, "state-gpu")]
+
+
+@pytest.mark.parametrize("event", CHECKPOINTS, ids=lambda e: f"{type(e).__name__}-{e.tier}")
+def test_checkpoint_records_are_vllm_records_of_their_own_medium(event):
+    """A checkpoint record is a BlockStored/BlockRemoved with a ``state-*`` medium: vLLM's layout
+    decodes it unchanged (a reader that ignores the medium still decodes the batch), and a
+    BlockStored never carries token ids, even when the stream sends them for KV blocks."""
+    _, payload = w.encode_record(KVEventRecord(1, "e", 5.0, event), token_ids=True)
+    got = msgspec.msgpack.decode(payload, type=Batch).events[0]
+    assert got.medium == event.tier and got.medium.startswith("state-")
+    assert got.block_hashes == event.block_hashes
+    if isinstance(event, BlockStored):
+        assert isinstance(got, Stored) and got.token_ids == [] and got.block_size == 4
+        assert w.to_internal(w.decode_payload(payload).events[0]) == BlockStored(
+            event.block_hashes, event.parent_hash, [], 4, event.tier)
+    else:
+        assert isinstance(got, Removed) and w.to_internal(w.decode_payload(payload).events[0]) == event
+    snap = KVSnapshot(3, "e", {"gpu": frozenset(H[:2]), "state-gpu": frozenset([H[1]])})
+    assert w.snapshot_from_json(msgspec.json.decode(msgspec.json.encode(w.snapshot_to_json(snap)))) == snap
 
 
 def test_malformed_input_is_a_wire_format_error():

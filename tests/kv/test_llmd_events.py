@@ -10,12 +10,20 @@ from __future__ import annotations
 import argparse
 import time
 
+import msgspec
 import pytest
 import zmq
 
 from kvmesh.engine.kv.event_publisher import KVEventPublisher
 from kvmesh.engine.kv.event_wire import LLMD_FORMAT, TopicError, TopicScheme, llmd_topic
-from kvmesh.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
+from kvmesh.engine.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventLog,
+    checkpoint_removed,
+    checkpoint_stored,
+)
 from kvmesh.engine.server.cli import ServeArgsError, add_serve_arguments, settings_from_args
 from kvmesh.engine.util.localproc import free_port_pair
 
@@ -108,6 +116,24 @@ def test_llmd_indexer_places_the_cached_prefix_on_the_pod(stream):
         index.digest(parse_frames(f))
     assert index.dropped == ["AllBlocksCleared: number of fields in array-encoded struct has changed"]
     assert index.longest_prefix(a + b, MODEL, POD) == 3
+
+
+def test_llmd_indexer_ignores_checkpoint_records(stream):
+    """A hybrid engine's checkpoint records (medium ``state-gpu``, no tokens) change nothing in
+    llm-d's index: the stored one is dropped (no tokens, so no keys), the removed one only touches
+    the (pod, state-gpu) entry, which never existed, so the KV blocks stay placed on the pod."""
+    log, _, reader = stream
+    a = _tokens(100, 3)
+    log.publish(BlockStored([_h(1), _h(2), _h(3)], None, a, BS))
+    log.publish(checkpoint_stored([_h(2), _h(3)], BS))
+    log.publish(checkpoint_removed([_h(3)]))
+    log.publish(checkpoint_removed([_h(2)]))
+    index = LlmdIndex(BS)
+    for f in reader.drain():
+        index.digest(parse_frames(f))
+    assert index.dropped == ["BlockStored: no keys or entries provided for adding to index"]
+    assert index.longest_prefix(a, MODEL, POD) == 3
+    assert {t for held in index.pods.values() for _, t in held} == {"gpu"}
 
 
 @pytest.mark.parametrize("stream", [False], indirect=True)
@@ -304,5 +330,111 @@ def test_llmd_indexer_itself_indexes_a_real_engine(llmd_server, llmd_indexer_bin
         assert indexer.prefix(prompts[0], model="another-model") == 0  # keys are per model
         assert indexer.prefix(prompts[0], pod="10.244.0.99") == 0
         assert indexer.prefix([3, 1, 4, 1] + prompts[0]) == 0
+    finally:
+        indexer.close()
+
+
+# ---- a hybrid engine's stream: checkpoint records beside the KV blocks --------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_llmd_server(tmp_path_factory):
+    """`kvmesh serve --kv-events-format llm-d` on a tiny random Qwen3.5 text model (a checkpoint
+    every 16 tokens), real engine in its own process."""
+    from tests.support.processes import ServerProcess
+    from tests.support.tiny_hybrid import make_tiny_hybrid_model
+
+    model = make_tiny_hybrid_model(tmp_path_factory.mktemp("hybrid-model"))
+    port = free_port_pair()
+    proc = ServerProcess("--model", str(model), "--served-model-name", MODEL, "--dtype", "float32",
+                         "--block-size", str(BS), "--num-kv-blocks", "128", "--max-model-len", "96",
+                         "--state-checkpoint-interval", "16", "--kv-events-port", str(port),
+                         "--kv-events-format", "llm-d", "--kv-events-token-ids", "--kv-events-pod", POD)
+    proc.start()
+    try:
+        yield proc, port
+    finally:
+        proc.stop()
+
+
+def _hybrid_prompts(seed: int) -> list[list[int]]:
+    prompts = _prompts(seed)
+    return prompts + [prompts[0] + [21, 22, 23, 24, 25]]  # extends prompts[0]: resumes from a checkpoint
+
+
+@pytest.mark.slow  # a real server process: about 20 s
+def test_a_real_hybrid_engine_stream_indexes_every_prompt_block(hybrid_llmd_server):
+    """A hybrid engine's stream through the llm-d reader: checkpoint records arrive (medium
+    state-gpu), each stored one is dropped for want of tokens, nothing else is, and every
+    prompt's full blocks are placed on the pod exactly as for an attention-only engine."""
+    proc, port = hybrid_llmd_server
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, TOPIC_FILTER)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        time.sleep(0.5)  # the subscription reaches the PUB socket before anything is published
+        prompts = _hybrid_prompts(3)
+        _complete(proc, prompts)
+        index = LlmdIndex(BS)
+        media = []
+        while sub.poll(1000):
+            msg = parse_frames(sub.recv_multipart())
+            media += [ev[-2] if ev[0] == "BlockStored" else ev[-1] for ev in msgspec.msgpack.decode(msg.payload)[1]]
+            index.digest(msg)
+        assert "state-gpu" in media and "gpu" in media
+        stored_ckpts = sum(1 for m in media if m == "state-gpu")  # stored and removed
+        assert index.dropped and set(index.dropped) == {"BlockStored: no keys or entries provided for adding to index"}
+        assert len(index.dropped) <= stored_ckpts
+        for p in prompts:
+            assert index.longest_prefix(p, MODEL, POD) == len(p) // BS, p
+        assert {t for held in index.pods.values() for _, t in held} == {"gpu"}
+    finally:
+        sub.close(0)
+        ctx.term()
+
+
+@pytest.fixture(scope="module")
+def llmd_indexer_prebuilt():
+    """llm-d's indexer only if `e2e/build-binaries llmd-indexer` already built it (a first build
+    takes 12 min or more on a shared 2-core machine, so this test does not start one)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([str(root / "e2e" / "build-binaries"), "--print-dirs", "llmd-indexer"],
+                         capture_output=True, text=True, check=True).stdout
+    binary = Path(out.strip().split("=", 1)[1]) / "llmd-indexer"
+    if not binary.exists():
+        pytest.skip(f"llm-d's indexer is not built ({binary} missing): run e2e/build-binaries llmd-indexer "
+                    "first (test_llmd_indexer_itself_indexes_a_real_engine builds it)")
+    return binary
+
+
+@pytest.mark.slow  # a real server process and a prebuilt Go binary
+def test_llmd_indexer_itself_ignores_a_hybrid_engines_checkpoints(hybrid_llmd_server, llmd_indexer_prebuilt):
+    """llm-d's own indexer on a hybrid engine's stream finds every prompt's full blocks on the pod:
+    the checkpoint records among them change nothing."""
+    proc, port = hybrid_llmd_server
+    indexer = Indexer(llmd_indexer_prebuilt, f"tcp://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 60
+        probe = 0
+        while True:
+            probe += 1
+            warm = [probe % 50 + 900] + [(probe * 13 + j) % 800 + 30 for j in range(2 * BS - 1)]
+            _complete(proc, [warm])
+            time.sleep(0.3)
+            if indexer.prefix(warm) == 2:
+                break
+            assert time.monotonic() < deadline, "llm-d's indexer never indexed anything"
+        prompts = _hybrid_prompts(57)
+        _complete(proc, prompts)
+        for p in prompts:
+            want = len(p) // BS
+            deadline = time.monotonic() + 20
+            while indexer.prefix(p) != want:
+                assert time.monotonic() < deadline, (p, indexer.prefix(p), want)
+                time.sleep(0.1)
     finally:
         indexer.close()

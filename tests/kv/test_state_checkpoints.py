@@ -62,6 +62,37 @@ def test_index_lru_pins_and_content_addressing():
     idx.check_integrity()
 
 
+def test_hooks_report_exactly_the_indexed_hashes():
+    """``on_publish``/``on_evict`` (what the engine turns into KV events) fire once per hash entering
+    and leaving the index, never for a duplicate publish; replaying them gives the index's contents."""
+    seen: set = set()
+    calls: list = []
+
+    def published(h):
+        assert h not in seen
+        seen.add(h)
+        calls.append(("+", h))
+
+    def evicted(h):
+        seen.remove(h)
+        calls.append(("-", h))
+
+    idx = CheckpointIndex(2, on_publish=published, on_evict=evicted)
+    h = _hashes(list(range(16)))
+    a, b = idx.reserve(), idx.reserve()
+    idx.publish(a, h[0])
+    idx.publish(b, h[1])
+    c = idx.reserve()  # evicts h[0]
+    idx.publish(c, h[1])  # a duplicate: no call
+    d = idx.reserve()
+    idx.release(d)  # a reserved entry given back unpublished: no call
+    e = idx.reserve()
+    idx.publish(e, h[2])
+    assert calls == [("+", h[0]), ("+", h[1]), ("-", h[0]), ("+", h[2])]
+    assert seen == {x for x in h if x in idx}
+    idx.check_integrity()
+
+
 def test_slots_are_exclusive_and_bounded():
     """A request keeps one slot; the pool refuses past its size; freeing returns the slot."""
     slots = StateSlots(2)

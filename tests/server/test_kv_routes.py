@@ -74,6 +74,7 @@ def test_routes_answer_503_until_loaded_then_describe_the_cache():
                           "format": "kvmesh"},
             "tiers": ["gpu"], "role": "both", "transfer_port": None, "tokenizer": engine.tokenizer.fingerprint,
             "max_model_len": 64, "served_model_names": ["fake-model", "default"],
+            "hybrid": False, "state_checkpoints": None,  # an attention-only engine
         }
         # /ready names the same engine: a router that sees another id there resyncs (router/discovery.py).
         assert client.get("/ready").json()["engine_id"] == info["engine_id"]
