@@ -14,6 +14,7 @@ unless pinned by a restore in flight).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.engine.block_hash import BlockHash
@@ -35,7 +36,10 @@ class CheckpointStats:
 class CheckpointIndex:
     """hash -> entry over ``capacity`` entries with LRU eviction of unpinned published ones."""
 
-    def __init__(self, capacity: int, entry_bytes: int = 0) -> None:
+    def __init__(self, capacity: int, entry_bytes: int = 0,
+                 on_evict: Callable[[int, BlockHash], None] | None = None) -> None:
+        """``on_evict(entry, hash)``: called when ``reserve`` evicts a published entry, while the
+        entry still holds that hash's state (a lower tier copies it out before the next forward)."""
         if capacity < 1:
             raise ValueError(f"a checkpoint pool needs at least one entry, got {capacity}")
         self.capacity = capacity
@@ -45,6 +49,7 @@ class CheckpointIndex:
         self._pins: dict[int, int] = {}
         self._reserved: set[int] = set()
         self.stats = CheckpointStats(capacity=capacity, entry_bytes=entry_bytes)
+        self.on_evict = on_evict
 
     def __contains__(self, h: BlockHash) -> bool:
         return h in self._by_hash
@@ -81,6 +86,8 @@ class CheckpointIndex:
             idx = self._by_hash.pop(victim)
             del self._hash_of[idx]
             self.stats.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(idx, victim)
         self._reserved.add(idx)
         return idx
 
@@ -100,6 +107,10 @@ class CheckpointIndex:
         self._by_hash[h] = idx
         self._hash_of[idx] = h
         self.stats.saves += 1
+
+    def hashes(self) -> set[BlockHash]:
+        """The published hashes."""
+        return set(self._by_hash)
 
     def snapshot(self) -> CheckpointStats:
         return CheckpointStats(**{**self.stats.__dict__, "published": len(self._by_hash)})
