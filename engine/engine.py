@@ -158,10 +158,10 @@ def _num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
 
 def _check_hybrid_config(cfg: EngineConfig) -> None:
     """Refuse settings whose KV paths do not carry recurrent state yet (they would serve wrong tokens)."""
-    if cfg.cpu_kv_bytes or cfg.cache_node:
+    if cfg.cache_node:
         raise ConfigError(
-            "hybrid models cannot use the host KV tier or a cache node yet (recurrent state does not tier); "
-            "drop --cpu-kv-bytes / --cache-node"
+            "hybrid models cannot use a cache node yet (recurrent-state checkpoints do not travel to it); "
+            "drop --cache-node"
         )
 
 
@@ -234,10 +234,16 @@ class LLMEngine:
         self.state_slots: HybridStateManager | None = None
         if hybrid:
             ckpts = None
+            host_states = None
             if num_checkpoints:
                 ckpts = CheckpointIndex(num_checkpoints, StatePool.bytes_per_slot(self.model_config, self.dtype.itemsize))
+                if self.tiers is not None:
+                    from kvmesh.engine.kv.tier_setup import build_state_tier
+
+                    pool = self.runner.states
+                    host_states = build_state_tier(cfg, pool.ckpt_conv, pool.ckpt_ssm)
             self.state_slots = HybridStateManager(cfg.max_num_seqs, cfg.block_size, ckpts,
-                                                  cfg.state_checkpoint_interval)
+                                                  cfg.state_checkpoint_interval, host=host_states)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, tiers=self.tiers, states=self.state_slots)
         self.prefill = PrefillRole(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout, self._on_step_thread)
@@ -565,12 +571,15 @@ class LLMEngine:
         return outputs
 
     def _state_plan(self, sched) -> StepStatePlan | None:
-        """Hybrid models: the step's slots, checkpoint restores and captures."""
+        """Hybrid models: the step's slots, checkpoint restores and captures; the host checkpoint
+        tier's saves and loads land here, before the runner restores entries into slots."""
         if self.state_slots is None:
             return None
         seqs = [(s.request.request_id, s.request.all_token_ids, s.request.kv_root, s.request.num_prompt_tokens,
                  s.num_computed_tokens, s.num_new_tokens) for s in sched.seqs]
-        return self.state_slots.plan(seqs, lambda rid, toks, root, n: self.kv.extend_chain(rid, toks, n, root))
+        plan = self.state_slots.plan(seqs, lambda rid, toks, root, n: self.kv.extend_chain(rid, toks, n, root))
+        self.state_slots.flush(self.runner.states.ckpt_conv, self.runner.states.ckpt_ssm)
+        return plan
 
     def check_integrity(self) -> None:
         """KV manager and lower-tier invariants (O(blocks); tests and debug runs)."""

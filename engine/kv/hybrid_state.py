@@ -10,6 +10,12 @@ step succeeded.
 A prefix hit on a hybrid model is the longest prefix whose attention blocks are all cached
 and whose end has a checkpoint: the state there is restored into the request's slot and only
 the suffix is computed. Without a checkpoint pool there are no hybrid prefix hits at all.
+
+With a host checkpoint tier (``host_state_tier.HostStateTier``) an entry the device pool evicts
+moves down to host memory by hash, and a hit may end at a host checkpoint: the admission
+reserves a device entry for it (``hit``), and ``allocate`` promotes it there (the bytes land at
+the step's ``flush``, before the runner restores the entry into the request's slot). A
+checkpoint hash is in at most one of (device index, host tier).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.engine.block_hash import BlockHash
+from kvmesh.engine.kv.host_state_tier import HostStateTier
 from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, CheckpointStats, capture_points
 from kvmesh.engine.kv.state_slots import StateSlots
 
@@ -39,7 +46,7 @@ class StepStatePlan:
 
 class HybridStateManager:
     def __init__(self, num_slots: int, block_size: int, checkpoints: CheckpointIndex | None = None,
-                 interval: int = 0) -> None:
+                 interval: int = 0, host: HostStateTier | None = None) -> None:
         if interval < 0 or interval % block_size:
             raise ValueError(f"the state checkpoint interval must be a multiple of the block size "
                              f"({block_size}), got {interval}")
@@ -49,6 +56,10 @@ class HybridStateManager:
         self.interval = interval
         self._restores: list[tuple[int, int]] = []  # admitted this step, not yet planned
         self._pending: dict[str, tuple[int, BlockHash]] = {}
+        self.host = host if checkpoints is not None else None
+        self._promoting: dict[int, BlockHash] = {}  # device entry -> host hash, between hit and allocate/cancel
+        if self.host is not None:
+            checkpoints.on_evict = self.host.save
 
     @property
     def caching(self) -> bool:
@@ -58,14 +69,36 @@ class HybridStateManager:
     # ---- scheduler side ------------------------------------------------------------------
     def hit(self, hashes: Sequence[BlockHash], num_kv_blocks: int) -> tuple[int, int | None]:
         """(blocks, entry): the longest prefix of ``num_kv_blocks`` cached KV blocks whose last
-        block has a checkpoint, and that checkpoint's entry; (0, None) when there is none."""
+        block has a checkpoint, and the device entry to restore; (0, None) when there is none.
+
+        A checkpoint found in the host tier is reserved there together with a device entry to
+        promote it into: follow with ``allocate`` (the admission happened) or ``cancel``."""
         if self.checkpoints is None:
             return 0, None
+        ck, host = self.checkpoints, self.host
+        if host is not None and num_kv_blocks:
+            host.stats.queries += 1
         for j in range(num_kv_blocks, 0, -1):
-            idx = self.checkpoints.lookup(hashes[j - 1])
+            h = hashes[j - 1]
+            idx = ck.lookup(h)
             if idx is not None:
                 return j, idx
+            if host is not None and host.has(h):
+                host.reserve(h)  # first: the reserve below may evict a device entry into the host tier
+                idx = ck.reserve()
+                if idx is None:  # every device entry pinned or being written: look further down
+                    host.release(h)
+                    continue
+                self._promoting[idx] = h
+                return j, idx
         return 0, None
+
+    def cancel(self, entry: int | None) -> None:
+        """The admission ``hit`` answered did not happen: undo a promotion's reservations."""
+        h = self._promoting.pop(entry, None) if entry is not None else None
+        if h is not None:
+            self.checkpoints.release(entry)
+            self.host.release(h)
 
     def allocate(self, request_id: str, restore: int | None = None) -> int:
         """Give an admitted request a slot; ``restore``: the checkpoint entry its hit resumes from
@@ -73,6 +106,10 @@ class HybridStateManager:
         slot = self.slots.allocate(request_id)
         if restore is not None:
             assert self.checkpoints is not None
+            h = self._promoting.pop(restore, None)
+            if h is not None:  # from the host tier: loaded into the entry at the step's flush
+                self.host.promote(h, restore)
+                self.checkpoints.publish(restore, h)
             self.checkpoints.pin(restore)
             self._restores.append((restore, slot))
             self.checkpoints.stats.restores += 1
@@ -83,7 +120,7 @@ class HybridStateManager:
         (a restore point for a turn that extends it), then give its slot back."""
         held = self._pending.pop(request_id, None)
         if held is not None and self.checkpoints is not None:
-            self.checkpoints.publish(*held)
+            self._publish(*held)
         self.slots.free(request_id)
 
     def slot(self, request_id: str) -> int:
@@ -137,12 +174,23 @@ class HybridStateManager:
         for idx in plan.unpin:
             ck.unpin(idx)
         for idx, h in plan.publish:
-            ck.publish(idx, h)
+            self._publish(idx, h)
         for rid, idx, h in plan.pending:
             old = self._pending.get(rid)
             if old is not None:
                 ck.release(old[0])
             self._pending[rid] = (idx, h)
+
+    def _publish(self, idx: int, h: BlockHash) -> None:
+        self.checkpoints.publish(idx, h)
+        if self.host is not None:
+            self.host.discard((h,))  # recomputed while the host tier held it: one copy, on the device
+
+    def flush(self, ckpt_conv, ckpt_ssm) -> None:
+        """Move the host tier's pending saves and loads (``StatePool.ckpt_*``); call after ``plan``
+        and before the forward pass and its restores."""
+        if self.host is not None:
+            self.host.flush(ckpt_conv, ckpt_ssm)
 
     def abort(self, plan: StepStatePlan) -> None:
         """The step failed: nothing it wrote is valid."""
@@ -165,3 +213,8 @@ class HybridStateManager:
             self.checkpoints.check_integrity()
             stray = set(self._pending) - self.slots.owners()
             assert not stray, f"requests without a slot keep pending checkpoints: {sorted(stray)}"
+            assert not self._promoting, f"promotions neither allocated nor cancelled: {self._promoting}"
+        if self.host is not None:
+            self.host.check_integrity()
+            both = self.host.hashes() & self.checkpoints.hashes()
+            assert not both, f"{len(both)} checkpoints held both on the device and in the host tier"

@@ -130,6 +130,18 @@ class KVTiers:
                 self._remote_loads.append((got, ids[k:k + m], f.buffer if f is not None else None))
             self.remote.forget(request_id)
 
+    def trim(self, hits: LowerHits, num_blocks: int) -> None:
+        """Keep only the first ``num_blocks`` (>= 0) of ``hits`` (a hybrid hit ends at its last
+        checkpoint): the host blocks past them go back unreserved, fetched ones are not loaded."""
+        num_blocks = max(0, num_blocks)
+        k = len(hits.host_hashes)
+        if num_blocks < k:
+            if self.host is not None:
+                self.host.release(hits.host_hashes[num_blocks:])
+            hits.host_hashes = hits.host_hashes[:num_blocks]
+        if hits.remote_blocks is not None:
+            hits.remote_blocks = hits.remote_blocks[:max(0, num_blocks - k)]
+
     def cancel(self, hits: LowerHits | None) -> None:
         """The admission did not happen (no room): give the reserved host blocks back."""
         if hits is not None and hits.host_hashes and self.host is not None:
