@@ -108,6 +108,10 @@ class CheckpointIndex:
         self._hash_of[idx] = h
         self.stats.saves += 1
 
+    def lookup_entry(self, h: BlockHash) -> int | None:
+        """The entry holding ``h``, without touching the LRU order."""
+        return self._by_hash.get(h)
+
     def hashes(self) -> set[BlockHash]:
         """The published hashes."""
         return set(self._by_hash)
