@@ -243,10 +243,12 @@ class Scheduler:
                         continue
                 restore = None
                 if self.states is not None:
-                    # Hybrid: the hit ends where a checkpoint exists (device or host) within the
+                    # Hybrid: the hit ends where a checkpoint exists (device, host or node) within the
                     # KV blocks cached on any tier; the KV past it is recomputed, not loaded.
                     num_kv = len(computed_blocks) + (hits.num_blocks if hits is not None else 0)
-                    keep, restore = self.states.hit(self.kv.chain(req.request_id), num_kv) if num_kv else (0, None)
+                    fetched = hits.state if hits is not None else None
+                    keep, restore = (self.states.hit(self.kv.chain(req.request_id), num_kv, fetched) if num_kv
+                                     else (0, None))
                     if keep < len(computed_blocks):
                         computed_blocks, num_computed = computed_blocks[:keep], keep * self.kv.block_size
                     if hits is not None:

@@ -16,6 +16,10 @@ moves down to host memory by hash, and a hit may end at a host checkpoint: the a
 reserves a device entry for it (``hit``), and ``allocate`` promotes it there (the bytes land at
 the step's ``flush``, before the runner restores the entry into the request's slot). A
 checkpoint hash is in at most one of (device index, host tier).
+
+With a cache node, the admission's fetch may bring one checkpoint (``FetchedState``); a hit may
+end there, promoted the same way (its bytes land at the flush). Checkpoints this engine
+computes and publishes are queued for write-through (``take_published``).
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from kvmesh.engine.block_hash import BlockHash
 from kvmesh.engine.kv.host_state_tier import HostStateTier
+from kvmesh.engine.kv.state_wire import FetchedState
 from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, CheckpointStats, capture_points
 from kvmesh.engine.kv.state_slots import StateSlots
 
@@ -57,7 +64,12 @@ class HybridStateManager:
         self._restores: list[tuple[int, int]] = []  # admitted this step, not yet planned
         self._pending: dict[str, tuple[int, BlockHash]] = {}
         self.host = host if checkpoints is not None else None
-        self._promoting: dict[int, BlockHash] = {}  # device entry -> host hash, between hit and allocate/cancel
+        self._promoting: dict[int, BlockHash | FetchedState] = {}  # device entry -> host hash or fetched
+        # checkpoint, between hit and allocate/cancel
+        self._remote_loads: list[tuple[int, FetchedState]] = []  # (device entry, bytes), until flush
+        self.remote_promotions = 0
+        self.write_through = False  # set with a cache node: published entries queue for take_published
+        self._published: list[tuple[int, BlockHash]] = []
         if self.host is not None:
             checkpoints.on_evict = self.host.save
 
@@ -67,12 +79,14 @@ class HybridStateManager:
         return self.checkpoints is not None
 
     # ---- scheduler side ------------------------------------------------------------------
-    def hit(self, hashes: Sequence[BlockHash], num_kv_blocks: int) -> tuple[int, int | None]:
+    def hit(self, hashes: Sequence[BlockHash], num_kv_blocks: int,
+            fetched: FetchedState | None = None) -> tuple[int, int | None]:
         """(blocks, entry): the longest prefix of ``num_kv_blocks`` cached KV blocks whose last
         block has a checkpoint, and the device entry to restore; (0, None) when there is none.
 
-        A checkpoint found in the host tier is reserved there together with a device entry to
-        promote it into: follow with ``allocate`` (the admission happened) or ``cancel``."""
+        A checkpoint found in the host tier (or ``fetched`` from the cache node) is reserved
+        together with a device entry to promote it into: follow with ``allocate`` (the
+        admission happened) or ``cancel``."""
         if self.checkpoints is None:
             return 0, None
         ck, host = self.checkpoints, self.host
@@ -91,6 +105,11 @@ class HybridStateManager:
                     continue
                 self._promoting[idx] = h
                 return j, idx
+            if fetched is not None and fetched.blocks == j and fetched.block_hash == h:
+                idx = ck.reserve()
+                if idx is not None:
+                    self._promoting[idx] = fetched
+                    return j, idx
         return 0, None
 
     def cancel(self, entry: int | None) -> None:
@@ -98,7 +117,8 @@ class HybridStateManager:
         h = self._promoting.pop(entry, None) if entry is not None else None
         if h is not None:
             self.checkpoints.release(entry)
-            self.host.release(h)
+            if not isinstance(h, FetchedState):
+                self.host.release(h)
 
     def allocate(self, request_id: str, restore: int | None = None) -> int:
         """Give an admitted request a slot; ``restore``: the checkpoint entry its hit resumes from
@@ -107,7 +127,13 @@ class HybridStateManager:
         if restore is not None:
             assert self.checkpoints is not None
             h = self._promoting.pop(restore, None)
-            if h is not None:  # from the host tier: loaded into the entry at the step's flush
+            if isinstance(h, FetchedState):  # from the cache node: loaded at the step's flush
+                self._remote_loads.append((restore, h))
+                self.checkpoints.publish(restore, h.block_hash)
+                self.remote_promotions += 1
+                if self.host is not None:
+                    self.host.discard((h.block_hash,))
+            elif h is not None:  # from the host tier: loaded into the entry at the step's flush
                 self.host.promote(h, restore)
                 self.checkpoints.publish(restore, h)
             self.checkpoints.pin(restore)
@@ -182,6 +208,9 @@ class HybridStateManager:
             self._pending[rid] = (idx, h)
 
     def _publish(self, idx: int, h: BlockHash) -> None:
+        """Publish a state this engine computed (queued for write-through when there is a node)."""
+        if self.write_through and h not in self.checkpoints:
+            self._published.append((idx, h))
         self.checkpoints.publish(idx, h)
         if self.host is not None:
             self.host.discard((h,))  # recomputed while the host tier held it: one copy, on the device
@@ -191,6 +220,19 @@ class HybridStateManager:
         and before the forward pass and its restores."""
         if self.host is not None:
             self.host.flush(ckpt_conv, ckpt_ssm)
+        loads, self._remote_loads = self._remote_loads, []
+        if loads:
+            ids = torch.tensor([e for e, _ in loads], dtype=torch.int64, device=ckpt_conv.device)
+            dev = ckpt_conv.device
+            ckpt_conv.index_copy_(1, ids, torch.stack([f.conv for _, f in loads], 1).to(dev))
+            ckpt_ssm.index_copy_(1, ids, torch.stack([f.ssm for _, f in loads], 1).to(dev))
+
+    def take_published(self) -> list[tuple[int, BlockHash]]:
+        """(entry, hash) published since the last call and still held there, for write-through;
+        call before anything may reserve entries again (the next plan or admission)."""
+        out, self._published = self._published, []
+        ck = self.checkpoints
+        return [(i, h) for i, h in out if ck is not None and ck.lookup_entry(h) == i]
 
     def abort(self, plan: StepStatePlan) -> None:
         """The step failed: nothing it wrote is valid."""
@@ -213,7 +255,7 @@ class HybridStateManager:
             self.checkpoints.check_integrity()
             stray = set(self._pending) - self.slots.owners()
             assert not stray, f"requests without a slot keep pending checkpoints: {sorted(stray)}"
-            assert not self._promoting, f"promotions neither allocated nor cancelled: {self._promoting}"
+            assert not self._promoting, f"promotions neither allocated nor cancelled: {list(self._promoting)}"
         if self.host is not None:
             self.host.check_integrity()
             both = self.host.hashes() & self.checkpoints.hashes()

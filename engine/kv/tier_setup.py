@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from .host_state_tier import HostStateTier
 from .host_tier import HostTier
 from .kv_manager import KVCacheManager
 from .remote_tier import RemoteTier
+from .state_wire import StateGeometry, checkpoint_layout
 from .tiers import KVTiers
 
 
@@ -54,3 +56,12 @@ def build_state_tier(cfg: EngineConfig, ckpt_conv: torch.Tensor, ckpt_ssm: torch
     if budget // entry < 1:
         raise ConfigError(f"--cpu-state-bytes {budget} holds no recurrent-state checkpoint of {entry} bytes")
     return HostStateTier(budget // entry, conv_shape, ckpt_conv.dtype, ssm_shape, ckpt_conv.device)
+
+
+def enable_remote_states(tiers: KVTiers, layer_ids: Sequence[int], ckpt_conv: torch.Tensor,
+                         ckpt_ssm: torch.Tensor) -> None:
+    """Hybrid with a cache node: checkpoints travel with blocks, in a layout beside the KV one."""
+    if tiers.remote is None:
+        return
+    geometry = StateGeometry.of(ckpt_conv, ckpt_ssm)
+    tiers.remote.enable_states(checkpoint_layout(tiers.remote.layout, layer_ids, geometry), geometry)
