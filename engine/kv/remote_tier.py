@@ -162,7 +162,8 @@ class RemoteTier:
             self.last_fetch = (len(fut.result()) * self.layout.nbytes, time.perf_counter() - t0)
 
     def pending(self) -> list[concurrent.futures.Future]:
-        return [f.future for f in self._fetches.values() if f.future is not None and not f.future.done()]
+        return [fut for f in self._fetches.values() for fut in (f.future, f.state_future)
+                if fut is not None and not fut.done()]
 
     def is_pending(self, request_id: str) -> bool:
         f = self._fetches.get(request_id)
