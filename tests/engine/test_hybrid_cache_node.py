@@ -128,3 +128,30 @@ def test_checkpoint_of_another_layout_is_refused_and_counted(model_dir, node, tu
     assert _node_stats(node)["rejected_headers"] == 1
     engine.check_integrity()
     engine.close()
+
+
+def test_local_kv_with_the_checkpoint_only_on_the_node(model_dir, node, turns):
+    """The hit mixes tiers: turn 1's KV blocks stay in the device pool, its checkpoints are
+    evicted from a one-entry device checkpoint pool (no host tier) by another prompt; turn 2
+    takes the KV from the device and the checkpoint from the node, and is exact. (With one entry
+    turn 1 holds its generation-end checkpoint at 80 tokens: no entry was free for a later one.)"""
+    from kvmesh.engine.model.recurrent_state import StatePool
+    from kvmesh.engine.model.safetensors_loader import read_hf_config
+
+    first, second_prompt, second = turns
+    per = StatePool.bytes_per_slot(read_hf_config(model_dir), 4)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64,
+                                    state_checkpoint_bytes=per, cache_node=f"127.0.0.1:{node.http_port}",
+                                    cache_node_timeout=10.0), debug_checks=True)
+    wait_for(lambda: engine._cache_node.clients() is not None, "the engine never resolved the cache node")
+    llm = LLM(engine=engine)
+    assert llm.generate([PROMPT], _params(TURN1))[0].token_ids == first
+    other = [(5 * j) % 900 + 30 for j in range(40)]
+    llm.generate([other], _params(2))  # its checkpoint takes the only device entry
+    remote = engine.tiers.remote
+    wait_for(lambda: remote.inflight_bytes == 0, "write-through did not finish")
+    r2 = llm.generate([second_prompt], _params(TURN2))[0]
+    assert r2.token_ids == second and r2.num_cached_tokens == 80
+    assert engine.state_slots.remote_promotions == 1 and remote.snapshot_stats().promotions == 0
+    engine.check_integrity()
+    engine.close()
