@@ -5,11 +5,16 @@
     hit every setting alike. Reports end-to-end tokens/s and the mean forward (step) time.
 (b) A multi-turn, agent-like trace (each turn = the previous turn's prompt + its output + a
     short new message): TTFT and prefill tokens computed per turn, checkpoints off vs default.
+(c) Reload vs recompute: the TTFT of a prefix + 16 new tokens when the prefix (attention KV and
+    the checkpoint at its end) is nowhere (recompute), still on the device (the compute floor),
+    in the host tiers (pushed there by a filler prompt), or on a ``kvmesh cache-node`` process
+    that another engine wrote it through to (this engine's pools empty). Interleaved per round.
 
 The model is a random Qwen3_5ForCausalLM built by transformers at start (random weights cost
 the same as trained ones). Usage:
 
     .venv/bin/python bench/hybrid.py [--rounds 3] [--prompts 8] [--prompt-len 256] [--out-len 32]
+        [--reload-len 1024] [--only reload]
 """
 
 from __future__ import annotations
@@ -66,8 +71,8 @@ def engine(model_dir: Path, **cfg):
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=4096,
-                                  max_num_batched_tokens=8192, **cfg))
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32",
+                                  **{"num_kv_blocks": 4096, "max_num_batched_tokens": 8192, **cfg}))
 
 
 def timed_forward(eng) -> list[float]:
@@ -149,6 +154,85 @@ def multi_turn(model_dir: Path, turns: int, first_len: int, msg_len: int, olen: 
     return out
 
 
+def reload(model_dir: Path, plen: int, rounds: int) -> dict[str, dict[str, float]]:
+    """(c) Per setting: median TTFT ms over ``rounds``, tokens reported cached, prefix bytes moved."""
+    import os
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from kv_tiers import start_node, wait_written
+
+    from kvmesh.engine.llm import LLM
+    from kvmesh.engine.model.recurrent_state import StatePool
+    from kvmesh.engine.model.safetensors_loader import read_hf_config
+    from kvmesh.engine.sampling import SamplingParams
+    from kvmesh.engine.transfer.ucx_env import apply_ucx_defaults
+
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    apply_ucx_defaults()
+    per = StatePool.bytes_per_slot(read_hf_config(model_dir), 4)
+    blocks = plen // 16 + 2
+    proc, port = start_node("1GiB")
+    node = dict(cache_node=f"127.0.0.1:{port}", cache_node_timeout=60.0)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        res = llm.generate([prompt], one)[0]
+        return time.perf_counter() - t0, res.num_cached_tokens
+
+    def ready(llm: LLM) -> LLM:
+        """Warmed up: one unrelated short prompt first (first-call costs, and for an engine with a
+        cache node its connections, which a serving engine has long set up)."""
+        while llm.engine._cache_node is not None and llm.engine._cache_node.clients() is None:
+            time.sleep(0.05)
+        llm.generate([torch.randint(3, MODEL["vocab_size"], (40,)).tolist()], one)
+        return llm
+
+    times: dict[str, list[float]] = {k: [] for k in ("recompute", "device hit", "host reload", "node reload")}
+    cached: dict[str, int] = {}
+    kv_bytes = 0
+    try:
+        for r in range(rounds):
+            gen = torch.Generator().manual_seed(100 + r)
+            prefix, filler, new = (torch.randint(3, MODEL["vocab_size"], (n,), generator=gen).tolist()
+                                   for n in (plen, plen, 16))
+            prompt = prefix + new
+            cold = ready(LLM(engine=engine(model_dir)))
+            t, c = ttft(cold, prompt)
+            times["recompute"].append(t), cached.setdefault("recompute", c)
+            warm = ready(LLM(engine=engine(model_dir)))
+            warm.generate([prefix], one)
+            t, c = ttft(warm, prompt)
+            times["device hit"].append(t), cached.setdefault("device hit", c)
+            host = ready(LLM(engine=engine(model_dir, num_kv_blocks=blocks, state_checkpoint_bytes=2 * per,
+                                           cpu_kv_bytes=2 * blocks * (1 << 20), cpu_state_bytes=8 * per)))
+            host.generate([prefix], one)
+            host.generate([filler], one)  # pushes the prefix's blocks and checkpoint to the host tiers
+            t, c = ttft(host, prompt)
+            times["host reload"].append(t), cached.setdefault("host reload", c)
+            kv = host.engine.runner.kv_cache
+            kv_bytes = c * kv[:, :, 0, 0].numel() * kv.element_size()
+            writer = ready(LLM(engine=engine(model_dir, **node)))
+            writer.generate([prefix], one)
+            wait_written(writer, plen // 16 - 1)
+            remote = writer.engine.tiers.remote
+            while remote.inflight_bytes or remote.state_stats.stored < 1:
+                time.sleep(0.05)
+            writer.engine.close()
+            reader = ready(LLM(engine=engine(model_dir, **node)))
+            t, c = ttft(reader, prompt)
+            times["node reload"].append(t), cached.setdefault("node reload", c)
+            while reader.engine.tiers.remote.inflight_bytes:  # its own write-through ends before close
+                time.sleep(0.05)
+            reader.engine.close()
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    return {k: {"ttft_ms": 1e3 * statistics.median(v), "cached": cached[k], "kv_bytes": kv_bytes, "state_bytes": per}
+            for k, v in times.items()}
+
+
 def cpu_name() -> str:
     try:
         info = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -166,12 +250,17 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--out-len", type=int, default=32)
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--reload-len", type=int, default=1024)
+    ap.add_argument("--only", choices=("reload",), help="run only part (c)")
     args = ap.parse_args()
     print("CPU:", cpu_name(), "| torch threads:", torch.get_num_threads())
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp))
         print(f"model: random Qwen3.5 text, {MODEL['num_hidden_layers']} layers (3:1 DeltaNet:attention), hidden "
               f"{MODEL['hidden_size']}, fp32")
+        if args.only == "reload":
+            print_reload(reload(model_dir, args.reload_len, args.rounds), args)
+            return
         res = zero_hit(model_dir, args.rounds, args.prompts, args.prompt_len, args.out_len)
         base = res["off"]
         print(f"\n(a) zero-hit: {args.prompts} prompts x {args.prompt_len} tokens, {args.out_len} out, "
@@ -187,6 +276,18 @@ def main() -> None:
         print(f"{'turn':<5} {'prompt':>7} | {'off: TTFT ms':>12} {'computed':>9} | {'default: TTFT ms':>16} {'computed':>9}")
         for t, (a, b) in enumerate(zip(mt["off"], mt["default"])):
             print(f"{t:<5} {a[1]:>7} | {a[0]:>12} {a[2]:>9} | {b[0]:>16} {b[2]:>9}")
+        print_reload(reload(model_dir, args.reload_len, args.rounds), args)
+
+
+def print_reload(res: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
+    any_row = next(iter(res.values()))
+    print(f"\n(c) reload vs recompute: a {args.reload_len}-token prefix + 16 new tokens, max_tokens=1, median of "
+          f"{args.rounds} interleaved rounds; prefix KV {any_row['kv_bytes'] / 1e6:.1f} MB + checkpoint "
+          f"{any_row['state_bytes'] / 1e6:.2f} MB")
+    base = res["recompute"]["ttft_ms"]
+    print(f"{'prefix is':<12} {'TTFT ms':>8} {'vs recompute':>12} {'cached':>7}")
+    for name, r in res.items():
+        print(f"{name:<12} {r['ttft_ms']:8.1f} {r['ttft_ms'] / base:12.3f} {r['cached']:7d}")
 
 
 if __name__ == "__main__":

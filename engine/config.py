@@ -103,6 +103,10 @@ class EngineConfig:
         0, "--cpu-kv-bytes", group=KV, type=parse_size, metavar="SIZE",
         help="host KV tier, e.g. 8GiB: blocks evicted from the KV pool are kept in host memory and loaded "
              "back on a prefix hit (default: off)")
+    cpu_state_bytes: int = setting(
+        0, "--cpu-state-bytes", group=KV, type=parse_size, metavar="SIZE",
+        help="hybrid models with --cpu-kv-bytes: host memory for recurrent-state checkpoints evicted from "
+             "--state-checkpoint-bytes, a budget of its own (default: a quarter of --cpu-kv-bytes)")
     state_checkpoint_interval: int = setting(
         1024, "--state-checkpoint-interval", group=KV, type=int, metavar="TOKENS",
         help="hybrid models: also checkpoint the recurrent state every TOKENS tokens (a multiple of the block "
@@ -171,6 +175,8 @@ class EngineConfig:
         if self.state_checkpoint_interval < 0 or self.state_checkpoint_interval % self.block_size:
             raise ConfigError(f"state_checkpoint_interval must be 0 or a multiple of the block size "
                               f"({self.block_size}), got {self.state_checkpoint_interval}")
+        if not isinstance(self.cpu_state_bytes, int) or self.cpu_state_bytes < 0:
+            raise ConfigError(f"cpu_state_bytes must be a byte count >= 0, got {self.cpu_state_bytes!r}")
         if not isinstance(self.state_checkpoint_bytes, int) or self.state_checkpoint_bytes < 0:
             raise ConfigError(f"state_checkpoint_bytes must be a byte count >= 0, got {self.state_checkpoint_bytes!r}")
         if not isinstance(self.kv_transfer_reserve_tokens, int) or self.kv_transfer_reserve_tokens < 0:

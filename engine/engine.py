@@ -156,15 +156,6 @@ def _num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
     return n
 
 
-def _check_hybrid_config(cfg: EngineConfig) -> None:
-    """Refuse settings whose KV paths do not carry recurrent state yet (they would serve wrong tokens)."""
-    if cfg.cpu_kv_bytes or cfg.cache_node:
-        raise ConfigError(
-            "hybrid models cannot use the host KV tier or a cache node yet (recurrent state does not tier); "
-            "drop --cpu-kv-bytes / --cache-node"
-        )
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  engine_id: str | None = None, debug_checks: bool = False) -> None:
@@ -193,7 +184,6 @@ class LLMEngine:
         hybrid = self.is_hybrid = self.model_config.is_hybrid
         num_checkpoints = 0
         if hybrid:
-            _check_hybrid_config(cfg)
             self.model: LlamaModel | Qwen35Model = Qwen35Model(
                 self.model_config, self.loaded.weights, self.backend, self.dtype, self.device, max_position=model_len)
             state_bytes = StatePool.bytes_per_slot(self.model_config, self.dtype.itemsize)
@@ -234,12 +224,21 @@ class LLMEngine:
         self.state_slots: HybridStateManager | None = None
         if hybrid:
             ckpts = None
+            host_states = None
             if num_checkpoints:
                 ckpts = CheckpointIndex(num_checkpoints, StatePool.bytes_per_slot(self.model_config, self.dtype.itemsize),
                                         on_publish=self._on_checkpoint_published,
                                         on_evict=self._on_checkpoint_evicted)
+                if self.tiers is not None:
+                    from kvmesh.engine.kv.tier_setup import build_state_tier, enable_remote_states
+
+                    pool = self.runner.states
+                    host_states = build_state_tier(cfg, pool.ckpt_conv, pool.ckpt_ssm)
+                    enable_remote_states(self.tiers, self.model_config.linear_layers, pool.ckpt_conv, pool.ckpt_ssm)
             self.state_slots = HybridStateManager(cfg.max_num_seqs, cfg.block_size, ckpts,
-                                                  cfg.state_checkpoint_interval)
+                                                  cfg.state_checkpoint_interval, host=host_states)
+            self.state_slots.write_through = ckpts is not None and self.tiers is not None \
+                and self.tiers.remote is not None
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, tiers=self.tiers, states=self.state_slots)
         self.prefill = PrefillRole(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout, self._on_step_thread)
@@ -271,7 +270,7 @@ class LLMEngine:
         # hit stops at the last of them (engine/kv/state_checkpoints.restorable_blocks).
         self.events.publish(checkpoint_stored([h], self.config.block_size))
 
-    def _on_checkpoint_evicted(self, h: BlockHash) -> None:
+    def _on_checkpoint_evicted(self, entry: int, h: BlockHash) -> None:
         self.events.publish(checkpoint_removed([h]))
 
     def _on_evict(self, blocks: list) -> None:
@@ -510,6 +509,7 @@ class LLMEngine:
         self._drain_commands(outputs)
         if self.has_timers():
             self._expire(time.monotonic())
+        self._write_states()  # before scheduling: an admission may reuse a published entry
         sched = self.scheduler.schedule()
         if self.tiers is not None:
             self.tiers.flush()  # lower-tier saves and loads land before the forward pass
@@ -570,17 +570,31 @@ class LLMEngine:
                     self.scheduler.finish(req, out.finish_reason)
                     self._forget(req, now)
                 outputs.append(out)
+        self._write_states()  # a finished turn's checkpoint reaches the node now, not next step
         if self.debug_checks:
             self.check_integrity()
         return outputs
 
+    def _write_states(self) -> None:
+        """Hybrid with a cache node: write the checkpoints published since the last call through."""
+        if self.state_slots is None or not self.state_slots.write_through:
+            return
+        published = self.state_slots.take_published()
+        if published:
+            pool = self.runner.states
+            self.tiers.remote.save_states(pool.ckpt_conv, pool.ckpt_ssm, [i for i, _ in published],
+                                          [h for _, h in published])
+
     def _state_plan(self, sched) -> StepStatePlan | None:
-        """Hybrid models: the step's slots, checkpoint restores and captures."""
+        """Hybrid models: the step's slots, checkpoint restores and captures; the host checkpoint
+        tier's saves and loads land here, before the runner restores entries into slots."""
         if self.state_slots is None:
             return None
         seqs = [(s.request.request_id, s.request.all_token_ids, s.request.kv_root, s.request.num_prompt_tokens,
                  s.num_computed_tokens, s.num_new_tokens) for s in sched.seqs]
-        return self.state_slots.plan(seqs, lambda rid, toks, root, n: self.kv.extend_chain(rid, toks, n, root))
+        plan = self.state_slots.plan(seqs, lambda rid, toks, root, n: self.kv.extend_chain(rid, toks, n, root))
+        self.state_slots.flush(self.runner.states.ckpt_conv, self.runner.states.ckpt_ssm)
+        return plan
 
     def check_integrity(self) -> None:
         """KV manager and lower-tier invariants (O(blocks); tests and debug runs)."""

@@ -234,10 +234,6 @@ class Scheduler:
                 else:
                     computed_blocks, num_computed = self.kv.get_computed_blocks(req.request_id, req.all_token_ids,
                                                                                 req.kv_root)
-                restore = None
-                if self.states is not None and computed_blocks:
-                    keep, restore = self.states.hit(self.kv.chain(req.request_id), len(computed_blocks))
-                    computed_blocks, num_computed = computed_blocks[:keep], keep * self.kv.block_size
                 hits = None
                 if self.tiers is not None and self.kv.enable_caching and not req.collects_prompt_logprobs:
                     hits = self.tiers.lookup(req.request_id, req.num_tokens, len(computed_blocks))
@@ -245,14 +241,25 @@ class Scheduler:
                         heapq.heappop(self._waiting)
                         self._deferred.append(req)
                         continue
+                restore = None
+                if self.states is not None:
+                    # Hybrid: the hit ends where a checkpoint exists (device, host or node) within the
+                    # KV blocks cached on any tier; the KV past it is recomputed, not loaded.
+                    num_kv = len(computed_blocks) + (hits.num_blocks if hits is not None else 0)
+                    fetched = hits.state if hits is not None else None
+                    keep, restore = (self.states.hit(self.kv.chain(req.request_id), num_kv, fetched) if num_kv
+                                     else (0, None))
+                    if keep < len(computed_blocks):
+                        computed_blocks, num_computed = computed_blocks[:keep], keep * self.kv.block_size
+                    if hits is not None:
+                        self.tiers.trim(hits, keep - len(computed_blocks))
                 num_loaded = hits.num_tokens if hits is not None else 0
                 num_new = req.num_tokens - num_computed - num_loaded
                 # A preempted request is recomputed in chunks even with chunked prefill off: its
                 # prompt plus generated tokens may exceed the budget, and the engine only
                 # guarantees that the prompt alone fits in one step.
                 if num_new > budget and not self.enable_chunked_prefill and not req.output_token_ids:
-                    if self.tiers is not None:
-                        self.tiers.cancel(hits)
+                    self._cancel_hits(hits, restore)
                     break
                 num_new = min(num_new, budget)
                 blocks = self.kv.allocate_slots(
@@ -260,8 +267,7 @@ class Scheduler:
                     root=req.kv_root,
                 )
                 if blocks is None:
-                    if self.tiers is not None:
-                        self.tiers.cancel(hits)
+                    self._cancel_hits(hits, restore)
                     break
                 if self.tiers is not None and hits is not None:
                     self.tiers.commit(req.request_id, hits, blocks, len(computed_blocks), req.num_tokens)
@@ -288,6 +294,13 @@ class Scheduler:
         out.num_decodes = len(decodes)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _cancel_hits(self, hits, restore: int | None) -> None:
+        """An admission that found hits did not happen: give back what its lookups reserved."""
+        if self.tiers is not None:
+            self.tiers.cancel(hits)
+        if self.states is not None:
+            self.states.cancel(restore)
 
     def update_after_step(self, out: SchedulerOutput) -> list[CachedSegment]:
         """Advance computed-token counts and publish newly full blocks to the prefix cache.

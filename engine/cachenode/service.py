@@ -72,7 +72,7 @@ class CacheNodeHandler:
                 raise TransferTimeout(f"put payloads did not arrive within {self.payload_timeout:.0f}s") from None
         except BaseException:
             for i in wanted:
-                self.store.abandon(batch.hashes[i])
+                self.store.abandon(batch.hashes[i], batch.layout)
             raise
         headers = batch.headers()
         statuses: list[str] = [v or "" for v in verdicts]

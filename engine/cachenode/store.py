@@ -18,6 +18,13 @@ Invariants (``check_integrity`` asserts them):
 * a hash that is stored or pending with one layout is never offered, stored or served under
   another: that raises ``HeaderMismatch`` naming the field and counts a rejected header.
 
+Two kinds of entry share the budget and the LRU (``BlockLayout.kind``): KV blocks, keyed by
+their hash, and recurrent-state checkpoints of hybrid models, keyed by (``state``, hash) since a
+checkpoint carries the hash of the block it ends. ``lookup`` and events concern KV blocks only
+(checkpoint events are not published by the node); ``get`` with a state layout answers the
+*first* of the asked hashes it holds, one entry (the engine asks deepest boundary first: a
+restore needs one checkpoint, the latest).
+
 Thread-safety: one lock around every method, so the HTTP side port (metrics, snapshot) may read
 while the transfer loop writes. Events (tier ``remote``) are emitted under that lock, in the
 order the contents change, so an event log's snapshot always matches the store.
@@ -35,8 +42,16 @@ import numpy as np
 from kvmesh.engine.block_hash import BlockHash
 from ..kv.events import TIER_REMOTE, BlockRemoved, BlockStored, KVEventHandler
 from ..transfer.errors import HeaderMismatch
-from ..transfer.header import BlockBatch, BlockHeader, BlockLayout, check_batch, check_layout
+from ..transfer.header import KIND_STATE, BlockBatch, BlockHeader, BlockLayout, check_batch, check_layout
 from ..transfer.protocol import EXISTS, NO_ROOM, STORED, TOO_LARGE
+
+EntryKey = BlockHash | tuple[str, BlockHash]
+
+
+def entry_key(layout: BlockLayout, block_hash: BlockHash) -> EntryKey:
+    """A KV block's key is its hash; a checkpoint's is (kind, hash): both may exist for one hash."""
+    return (KIND_STATE, block_hash) if layout.kind == KIND_STATE else block_hash
+
 
 WANTED = None
 """``offer`` verdict for a block whose bytes should be sent (room is reserved for it)."""
@@ -91,8 +106,8 @@ class BlockStore:
         self.max_inflight_bytes = capacity_bytes if max_inflight_bytes is None else max_inflight_bytes
         self._on_event = on_event
         self._lock = threading.Lock()
-        self._blocks: OrderedDict[BlockHash, StoredBlock] = OrderedDict()  # oldest use first
-        self._pending: dict[BlockHash, BlockLayout] = {}
+        self._blocks: OrderedDict[EntryKey, StoredBlock] = OrderedDict()  # oldest use first
+        self._pending: dict[EntryKey, BlockLayout] = {}
         self._used = 0
         self._reserved = 0
         self.stats = StoreStats()
@@ -111,8 +126,9 @@ class BlockStore:
             try:
                 check_batch(batch)
                 for h in batch.hashes:
-                    known = self._blocks.get(h)
-                    layout = known.header.layout if known is not None else self._pending.get(h)
+                    k = entry_key(batch.layout, h)
+                    known = self._blocks.get(k)
+                    layout = known.header.layout if known is not None else self._pending.get(k)
                     if layout is not None:
                         check_layout(layout, batch.layout)
             except HeaderMismatch:
@@ -123,6 +139,7 @@ class BlockStore:
             offered = 0
             out: list[str | None] = []
             for h in batch.hashes:
+                h = entry_key(batch.layout, h)
                 if h in self._blocks or h in self._pending:
                     self.stats.put_duplicates += 1
                     out.append(EXISTS)
@@ -142,7 +159,8 @@ class BlockStore:
     def commit(self, header: BlockHeader, data: np.ndarray) -> str:
         """Store a block ``offer`` wanted; its reservation becomes used bytes. Returns ``STORED``."""
         with self._lock:
-            layout = self._pending.pop(header.block_hash, None)
+            key = entry_key(header.layout, header.block_hash)
+            layout = self._pending.pop(key, None)
             if layout is None:
                 raise KeyError(f"block {header.block_hash.hex()[:16]} was not offered (or was abandoned)")
             self._reserved -= layout.nbytes
@@ -151,17 +169,19 @@ class BlockStore:
                 check_layout(layout, header.layout)
                 raise HeaderMismatch("buffers", f"{layout.nbytes} bytes", f"{data.nbytes} bytes")
             self._make_room(data.nbytes)
-            self._blocks[header.block_hash] = StoredBlock(header, data)
+            self._blocks[key] = StoredBlock(header, data)
             self._used += data.nbytes
             self.stats.puts += 1
             self.stats.put_bytes += data.nbytes
-            self._emit(BlockStored([header.block_hash], header.parent_hash, [], layout.block_size, TIER_REMOTE))
+            if isinstance(key, bytes):  # a KV block (checkpoints are not announced here)
+                self._emit(BlockStored([header.block_hash], header.parent_hash, [], layout.block_size, TIER_REMOTE))
             return STORED
 
-    def abandon(self, block_hash: BlockHash) -> None:
-        """Give back the reservation of an offered block that will not arrive. Idempotent."""
+    def abandon(self, block_hash: BlockHash, layout: BlockLayout | None = None) -> None:
+        """Give back the reservation of an offered block (of ``layout``'s kind; default KV) that
+        will not arrive. Idempotent."""
         with self._lock:
-            layout = self._pending.pop(block_hash, None)
+            layout = self._pending.pop(block_hash if layout is None else entry_key(layout, block_hash), None)
             if layout is not None:
                 self._reserved -= layout.nbytes
                 self.stats.put_aborted += 1
@@ -191,17 +211,22 @@ class BlockStore:
         """
         with self._lock:
             out: list[StoredBlock] = []
+            state = layout.kind == KIND_STATE
             for h in hashes:
-                blk = self._blocks.get(h)
+                blk = self._blocks.get(entry_key(layout, h))
                 if blk is None:
+                    if state:
+                        continue  # a checkpoint get answers the first held hash
                     break
                 if blk.header.layout != layout:
                     self.stats.rejected_headers += 1
                     check_layout(layout, blk.header.layout)
                 out.append(blk)
+                if state:
+                    break
             for blk in out:
-                self._blocks.move_to_end(blk.header.block_hash)
-            self.stats.gets += len(hashes)
+                self._blocks.move_to_end(entry_key(layout, blk.header.block_hash))
+            self.stats.gets += 1 if state else len(hashes)
             self.stats.hits += len(out)
             self.stats.hit_bytes += sum(blk.data.nbytes for blk in out)
             return out
@@ -244,9 +269,10 @@ class BlockStore:
         while self._used + size > self.capacity_bytes:
             h, blk = self._blocks.popitem(last=False)
             self._used -= blk.data.nbytes
-            evicted.append(h)
+            self.stats.evictions += 1
+            if isinstance(h, bytes):  # KV blocks only are announced
+                evicted.append(h)
         if evicted:
-            self.stats.evictions += len(evicted)
             self._emit(BlockRemoved(evicted, TIER_REMOTE))
 
     def _emit(self, event: BlockStored | BlockRemoved) -> None:

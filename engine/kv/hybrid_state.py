@@ -10,6 +10,16 @@ step succeeded.
 A prefix hit on a hybrid model is the longest prefix whose attention blocks are all cached
 and whose end has a checkpoint: the state there is restored into the request's slot and only
 the suffix is computed. Without a checkpoint pool there are no hybrid prefix hits at all.
+
+With a host checkpoint tier (``host_state_tier.HostStateTier``) an entry the device pool evicts
+moves down to host memory by hash, and a hit may end at a host checkpoint: the admission
+reserves a device entry for it (``hit``), and ``allocate`` promotes it there (the bytes land at
+the step's ``flush``, before the runner restores the entry into the request's slot). A
+checkpoint hash is in at most one of (device index, host tier).
+
+With a cache node, the admission's fetch may bring one checkpoint (``FetchedState``); a hit may
+end there, promoted the same way (its bytes land at the flush). Checkpoints this engine
+computes and publishes are queued for write-through (``take_published``).
 """
 
 from __future__ import annotations
@@ -17,8 +27,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from kvmesh.engine.block_hash import BlockHash
+from kvmesh.engine.kv.host_state_tier import HostStateTier
 from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, CheckpointStats, capture_points, restorable_blocks
+from kvmesh.engine.kv.state_wire import FetchedState
 from kvmesh.engine.kv.state_slots import StateSlots
 
 # (request id, all tokens, root, number of blocks) -> the request's first chain hashes
@@ -39,7 +53,7 @@ class StepStatePlan:
 
 class HybridStateManager:
     def __init__(self, num_slots: int, block_size: int, checkpoints: CheckpointIndex | None = None,
-                 interval: int = 0) -> None:
+                 interval: int = 0, host: HostStateTier | None = None) -> None:
         if interval < 0 or interval % block_size:
             raise ValueError(f"the state checkpoint interval must be a multiple of the block size "
                              f"({block_size}), got {interval}")
@@ -49,6 +63,22 @@ class HybridStateManager:
         self.interval = interval
         self._restores: list[tuple[int, int]] = []  # admitted this step, not yet planned
         self._pending: dict[str, tuple[int, BlockHash]] = {}
+        self.host = host if checkpoints is not None else None
+        self._promoting: dict[int, BlockHash | FetchedState] = {}  # device entry -> host hash or fetched
+        # checkpoint, between hit and allocate/cancel
+        self._remote_loads: list[tuple[int, FetchedState]] = []  # (device entry, bytes), until flush
+        self.remote_promotions = 0
+        self.write_through = False  # set with a cache node: published entries queue for take_published
+        self._published: list[tuple[int, BlockHash]] = []
+        if self.host is not None:
+            notify = checkpoints.on_evict  # the engine's checkpoint events, if any
+
+            def evicted(entry: int, h: BlockHash) -> None:
+                self.host.save(entry, h)
+                if notify is not None:
+                    notify(entry, h)
+
+            checkpoints.on_evict = evicted
 
     @property
     def caching(self) -> bool:
@@ -56,14 +86,56 @@ class HybridStateManager:
         return self.checkpoints is not None
 
     # ---- scheduler side ------------------------------------------------------------------
-    def hit(self, hashes: Sequence[BlockHash], num_kv_blocks: int) -> tuple[int, int | None]:
+    def hit(self, hashes: Sequence[BlockHash], num_kv_blocks: int,
+            fetched: FetchedState | None = None) -> tuple[int, int | None]:
         """(blocks, entry): the longest prefix of ``num_kv_blocks`` cached KV blocks whose last
-        block has a checkpoint, and that checkpoint's entry; (0, None) when there is none."""
-        ck = self.checkpoints
+        block has a checkpoint, and the device entry to restore; (0, None) when there is none.
+
+        The rule is ``restorable_blocks``' (the router predicts hits with it from the checkpoint
+        events of every medium). A checkpoint found in the host tier (or ``fetched`` from the
+        cache node) is reserved together with a device entry to promote it into: follow with
+        ``allocate`` (the admission happened) or ``cancel``. When no device entry can be
+        reserved (every one pinned or being written) the hit looks further down."""
+        ck, host = self.checkpoints, self.host
         if ck is None:
             return 0, None
-        j = restorable_blocks(hashes, num_kv_blocks, ck.__contains__)
-        return (j, ck.lookup(hashes[j - 1])) if j else (0, None)
+        if host is not None and num_kv_blocks:
+            host.stats.queries += 1
+
+        def fetched_at(h: BlockHash) -> bool:
+            return fetched is not None and fetched.block_hash == h
+
+        def has(h: BlockHash) -> bool:
+            return h in ck or (host is not None and host.has(h)) or fetched_at(h)
+
+        limit = num_kv_blocks
+        while (j := restorable_blocks(hashes, limit, has)):
+            h = hashes[j - 1]
+            idx = ck.lookup(h)
+            if idx is not None:
+                return j, idx
+            if host is not None and host.has(h):
+                host.reserve(h)  # first: the reserve below may evict a device entry into the host tier
+                idx = ck.reserve()
+                if idx is not None:
+                    self._promoting[idx] = h
+                    return j, idx
+                host.release(h)
+            elif fetched is not None and fetched.blocks == j:
+                idx = ck.reserve()
+                if idx is not None:
+                    self._promoting[idx] = fetched
+                    return j, idx
+            limit = j - 1
+        return 0, None
+
+    def cancel(self, entry: int | None) -> None:
+        """The admission ``hit`` answered did not happen: undo a promotion's reservations."""
+        h = self._promoting.pop(entry, None) if entry is not None else None
+        if h is not None:
+            self.checkpoints.release(entry)
+            if not isinstance(h, FetchedState):
+                self.host.release(h)
 
     def allocate(self, request_id: str, restore: int | None = None) -> int:
         """Give an admitted request a slot; ``restore``: the checkpoint entry its hit resumes from
@@ -71,6 +143,16 @@ class HybridStateManager:
         slot = self.slots.allocate(request_id)
         if restore is not None:
             assert self.checkpoints is not None
+            h = self._promoting.pop(restore, None)
+            if isinstance(h, FetchedState):  # from the cache node: loaded at the step's flush
+                self._remote_loads.append((restore, h))
+                self.checkpoints.publish(restore, h.block_hash)
+                self.remote_promotions += 1
+                if self.host is not None:
+                    self.host.discard((h.block_hash,))
+            elif h is not None:  # from the host tier: loaded into the entry at the step's flush
+                self.host.promote(h, restore)
+                self.checkpoints.publish(restore, h)
             self.checkpoints.pin(restore)
             self._restores.append((restore, slot))
             self.checkpoints.stats.restores += 1
@@ -81,7 +163,7 @@ class HybridStateManager:
         (a restore point for a turn that extends it), then give its slot back."""
         held = self._pending.pop(request_id, None)
         if held is not None and self.checkpoints is not None:
-            self.checkpoints.publish(*held)
+            self._publish(*held)
         self.slots.free(request_id)
 
     def slot(self, request_id: str) -> int:
@@ -135,12 +217,39 @@ class HybridStateManager:
         for idx in plan.unpin:
             ck.unpin(idx)
         for idx, h in plan.publish:
-            ck.publish(idx, h)
+            self._publish(idx, h)
         for rid, idx, h in plan.pending:
             old = self._pending.get(rid)
             if old is not None:
                 ck.release(old[0])
             self._pending[rid] = (idx, h)
+
+    def _publish(self, idx: int, h: BlockHash) -> None:
+        """Publish a state this engine computed (queued for write-through when there is a node)."""
+        if self.write_through and h not in self.checkpoints:
+            self._published.append((idx, h))
+        self.checkpoints.publish(idx, h)
+        if self.host is not None:
+            self.host.discard((h,))  # recomputed while the host tier held it: one copy, on the device
+
+    def flush(self, ckpt_conv, ckpt_ssm) -> None:
+        """Move the host tier's pending saves and loads (``StatePool.ckpt_*``); call after ``plan``
+        and before the forward pass and its restores."""
+        if self.host is not None:
+            self.host.flush(ckpt_conv, ckpt_ssm)
+        loads, self._remote_loads = self._remote_loads, []
+        if loads:
+            ids = torch.tensor([e for e, _ in loads], dtype=torch.int64, device=ckpt_conv.device)
+            dev = ckpt_conv.device
+            ckpt_conv.index_copy_(1, ids, torch.stack([f.conv for _, f in loads], 1).to(dev))
+            ckpt_ssm.index_copy_(1, ids, torch.stack([f.ssm for _, f in loads], 1).to(dev))
+
+    def take_published(self) -> list[tuple[int, BlockHash]]:
+        """(entry, hash) published since the last call and still held there, for write-through;
+        call before anything may reserve entries again (the next plan or admission)."""
+        out, self._published = self._published, []
+        ck = self.checkpoints
+        return [(i, h) for i, h in out if ck is not None and ck.lookup_entry(h) == i]
 
     def abort(self, plan: StepStatePlan) -> None:
         """The step failed: nothing it wrote is valid."""
@@ -163,3 +272,8 @@ class HybridStateManager:
             self.checkpoints.check_integrity()
             stray = set(self._pending) - self.slots.owners()
             assert not stray, f"requests without a slot keep pending checkpoints: {sorted(stray)}"
+            assert not self._promoting, f"promotions neither allocated nor cancelled: {list(self._promoting)}"
+        if self.host is not None:
+            self.host.check_integrity()
+            both = self.host.hashes() & self.checkpoints.hashes()
+            assert not both, f"{len(both)} checkpoints held both on the device and in the host tier"

@@ -12,6 +12,12 @@ Two jobs, both asynchronous to the engine step:
   never blocks on them. Any failure (no node, connect failure, timeout, peer gone, header
   mismatch) is a miss: the blocks are recomputed.
 
+Hybrid models (``enable_states``): a fetch also asks for one recurrent-state checkpoint (a
+second ``get`` with the checkpoint layout, candidate boundaries deepest first; the node answers
+the first it holds), and ``save_states`` writes published checkpoints through like blocks. A
+checkpoint whose layout differs (conv/recurrent shapes, dtypes, bytes) is refused by the node
+before any byte moves; the engine counts it in ``state_stats.failures`` and recomputes.
+
 Invariants: a fetch's blocks passed ``check_header`` against this engine's layout (model
 identity, dtype, geometry) and are exactly a prefix of the asked hashes; a fetch result is used
 at most once; nothing here raises into the step for a transport failure.
@@ -38,6 +44,7 @@ from ..transfer.header import BlockHeader, BlockLayout
 from ..transfer.staging import StagingPool
 from kvmesh.engine.block_hash import BlockHash
 from .host_tier import TierStats
+from .state_wire import FetchedState, StateGeometry, gather_entries, split_payload
 
 log = logging.getLogger("kvmesh.engine.remote")
 
@@ -62,10 +69,16 @@ class Fetch:
     """Set once done: ``[n, layers, 2, block_size, heads, dim]``, n = 0 on a miss or failure."""
     buffer: np.ndarray | None = None
     """The bytes under ``blocks`` as they landed (handed back with ``RemoteTier.recycle``)."""
+    state_hashes: list[BlockHash] | None = None
+    """Hybrid: the checkpoint candidates asked for, deepest first (``hashes[i]`` ends chain block i)."""
+    state_future: concurrent.futures.Future | None = None
+    state: FetchedState | None = None
+    """Set once done: the checkpoint fetched, or None."""
 
     @property
     def done(self) -> bool:
-        return self.future is None or self.future.done()
+        return ((self.future is None or self.future.done())
+                and (self.state_future is None or self.state_future.done()))
 
 
 def one_buffer(datas: Sequence[np.ndarray]) -> np.ndarray:
@@ -103,24 +116,40 @@ class RemoteTier:
         self._lock = threading.Lock()  # counters touched by transfer-loop callbacks
         self._inflight_bytes = 0
         self.stats = TierStats()
+        self.state_layout: BlockLayout | None = None
+        self.state_geometry: StateGeometry | None = None
+        self.state_stats = TierStats()
+        """Checkpoints: queries = gets asked, hits = checkpoints fetched, stored/dropped = saves."""
+
+    def enable_states(self, layout: BlockLayout, geometry: StateGeometry) -> None:
+        """Carry a hybrid model's checkpoints too (fetched with blocks, written through on publish)."""
+        if layout.nbytes != geometry.nbytes:
+            raise ValueError(f"checkpoint layout of {layout.nbytes} bytes for tensors of {geometry.nbytes}")
+        self.state_layout, self.state_geometry = layout, geometry
 
     # ---- fetch --------------------------------------------------------------------------------
     def fetch(self, request_id: str) -> Fetch | None:
         return self._fetches.get(request_id)
 
-    def start_fetch(self, request_id: str, start: int, hashes: Sequence[BlockHash]) -> Fetch:
-        """Begin fetching ``hashes`` (chain positions ``start...``); never blocks or raises."""
+    def start_fetch(self, request_id: str, start: int, hashes: Sequence[BlockHash],
+                    state_hashes: Sequence[BlockHash] = ()) -> Fetch:
+        """Begin fetching ``hashes`` (chain positions ``start...``) and, for a hybrid model, the
+        first held checkpoint of ``state_hashes`` (deepest first); never blocks or raises."""
         clients = self._clients()
-        fut = None
+        fut = sfut = None
         if clients is not None and hashes:
             try:
                 fut = clients[0].get(self.layout, list(hashes), self.timeout)
             except TransferError as e:  # ClientBusy: treat as a miss
                 self._failed(e)
-        f = Fetch(start, list(hashes), fut)
-        if fut is None:
-            f.blocks = self._none()
-        else:
+        if clients is not None and state_hashes and self.state_layout is not None:
+            self.state_stats.queries += 1
+            try:
+                sfut = clients[0].get(self.state_layout, list(state_hashes), self.timeout)
+            except TransferError as e:
+                self._failed(e, stats=self.state_stats)
+        f = Fetch(start, list(hashes), fut, state_hashes=list(state_hashes), state_future=sfut)
+        if fut is not None:
             t0 = time.perf_counter()
             fut.add_done_callback(lambda done, t0=t0: self._fetched(done, t0))
         self._fetches[request_id] = f
@@ -133,7 +162,8 @@ class RemoteTier:
             self.last_fetch = (len(fut.result()) * self.layout.nbytes, time.perf_counter() - t0)
 
     def pending(self) -> list[concurrent.futures.Future]:
-        return [f.future for f in self._fetches.values() if f.future is not None and not f.future.done()]
+        return [fut for f in self._fetches.values() for fut in (f.future, f.state_future)
+                if fut is not None and not fut.done()]
 
     def is_pending(self, request_id: str) -> bool:
         f = self._fetches.get(request_id)
@@ -145,8 +175,27 @@ class RemoteTier:
         if f is None or not f.done:
             return None
         if f.blocks is None:
-            f.blocks, f.buffer = self._blocks_of(f)
+            f.blocks, f.buffer = self._blocks_of(f) if f.future is not None else (self._none(), None)
+            f.state = self._state_of(f)
         return f
+
+    def _state_of(self, f: Fetch) -> FetchedState | None:
+        if f.state_future is None:
+            return None
+        try:
+            got: list[WireBlock] = f.state_future.result(timeout=0)
+        except (TransferError, concurrent.futures.CancelledError, RuntimeError) as e:
+            self._failed(e, stats=self.state_stats)  # a refused layout lands here: recompute
+            return None
+        if not got:
+            return None
+        blk = got[0]
+        if blk.header.layout != self.state_layout or blk.block_hash not in f.state_hashes:  # belt and braces
+            self._failed(HeaderMismatch("block_hash", "an asked checkpoint", blk.block_hash), stats=self.state_stats)
+            return None
+        conv, ssm = split_payload(blk.data, self.state_geometry)
+        self.state_stats.hits += 1
+        return FetchedState(len(f.state_hashes) - f.state_hashes.index(blk.block_hash), blk.block_hash, conv, ssm)
 
     def recycle(self, buffer: np.ndarray | None) -> None:
         """A fetched batch is in the KV cache now: its buffer may receive the next fetch."""
@@ -212,29 +261,59 @@ class RemoteTier:
         fut.add_done_callback(lambda f, data=data: self._saved(f, n, size, data))
         return fut
 
-    def _saved(self, fut: concurrent.futures.Future, n: int, size: int, _data: Any) -> None:
+    def save_states(self, ckpt_conv: torch.Tensor, ckpt_ssm: torch.Tensor, entries: Sequence[int],
+                    hashes: Sequence[BlockHash]) -> concurrent.futures.Future | None:
+        """Write published checkpoints (device entries ``entries`` under ``hashes``) through to
+        the node, like ``save``: one gather now (the entries stay valid until the next step's
+        plan may reuse them), the put in the background, dropped and counted past the bound."""
+        n = len(entries)
+        if not n or self.state_layout is None:
+            return None
+        size = n * self.state_layout.nbytes
+        clients = self._clients()
+        with self._lock:
+            if clients is None or self._inflight_bytes + size > self.max_inflight_bytes:
+                self.state_stats.dropped += n
+                return None
+            self._inflight_bytes += size
+        data = gather_entries(ckpt_conv, ckpt_ssm, entries)
+        blocks = [WireBlock(BlockHeader(self.state_layout, h, None), data[i]) for i, h in enumerate(hashes)]
+        try:
+            fut = clients[1].put(blocks, self.timeout)
+        except TransferError as e:  # ClientBusy
+            with self._lock:
+                self._inflight_bytes -= size
+                self.state_stats.dropped += n
+            self._failed(e, count=False)
+            return None
+        fut.add_done_callback(lambda f, data=data: self._saved(f, n, size, data, self.state_stats))
+        return fut
+
+    def _saved(self, fut: concurrent.futures.Future, n: int, size: int, _data: Any,
+               stats: TierStats | None = None) -> None:
+        stats = self.stats if stats is None else stats
         with self._lock:
             self._inflight_bytes -= size
         try:
             statuses = fut.result()
         except (TransferError, concurrent.futures.CancelledError, RuntimeError) as e:
             with self._lock:
-                self.stats.dropped += n
-            self._failed(e)
+                stats.dropped += n
+            self._failed(e, stats=stats)
             return
         with self._lock:
-            self.stats.stored += sum(1 for s in statuses if s == "stored")
-            self.stats.dropped += sum(1 for s in statuses if s not in ("stored", "exists"))
+            stats.stored += sum(1 for s in statuses if s == "stored")
+            stats.dropped += sum(1 for s in statuses if s not in ("stored", "exists"))
 
     @property
     def inflight_bytes(self) -> int:
         with self._lock:
             return self._inflight_bytes
 
-    def _failed(self, e: BaseException, count: bool = True) -> None:
+    def _failed(self, e: BaseException, count: bool = True, stats: TierStats | None = None) -> None:
         if count:
             with self._lock:
-                self.stats.failures += 1
+                (self.stats if stats is None else stats).failures += 1
         log.debug("cache node: %s: %s (recompute)", type(e).__name__, e)
         if self._on_failure is not None and isinstance(e, Exception):
             self._on_failure(e)

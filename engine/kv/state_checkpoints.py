@@ -43,7 +43,11 @@ class CheckpointIndex:
 
     def __init__(self, capacity: int, entry_bytes: int = 0,
                  on_publish: Callable[[BlockHash], None] | None = None,
-                 on_evict: Callable[[BlockHash], None] | None = None) -> None:
+                 on_evict: Callable[[int, BlockHash], None] | None = None) -> None:
+        """``on_publish(hash)``: a hash became indexed. ``on_evict(entry, hash)``: ``reserve``
+        evicted a published entry, which still holds that hash's state (a lower tier copies it
+        out before the next forward). Either may be replaced later (the attributes of the same
+        names): the host tier chains itself in front of the engine's event hook."""
         if capacity < 1:
             raise ValueError(f"a checkpoint pool needs at least one entry, got {capacity}")
         self.capacity = capacity
@@ -53,8 +57,8 @@ class CheckpointIndex:
         self._pins: dict[int, int] = {}
         self._reserved: set[int] = set()
         self.stats = CheckpointStats(capacity=capacity, entry_bytes=entry_bytes)
-        self._on_publish = on_publish
-        self._on_evict = on_evict
+        self.on_publish = on_publish
+        self.on_evict = on_evict
 
     def __contains__(self, h: BlockHash) -> bool:
         return h in self._by_hash
@@ -91,8 +95,8 @@ class CheckpointIndex:
             idx = self._by_hash.pop(victim)
             del self._hash_of[idx]
             self.stats.evictions += 1
-            if self._on_evict is not None:
-                self._on_evict(victim)
+            if self.on_evict is not None:
+                self.on_evict(idx, victim)
         self._reserved.add(idx)
         return idx
 
@@ -112,8 +116,16 @@ class CheckpointIndex:
         self._by_hash[h] = idx
         self._hash_of[idx] = h
         self.stats.saves += 1
-        if self._on_publish is not None:
-            self._on_publish(h)
+        if self.on_publish is not None:
+            self.on_publish(h)
+
+    def lookup_entry(self, h: BlockHash) -> int | None:
+        """The entry holding ``h``, without touching the LRU order."""
+        return self._by_hash.get(h)
+
+    def hashes(self) -> set[BlockHash]:
+        """The published hashes."""
+        return set(self._by_hash)
 
     def snapshot(self) -> CheckpointStats:
         return CheckpointStats(**{**self.stats.__dict__, "published": len(self._by_hash)})

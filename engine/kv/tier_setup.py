@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -9,9 +10,11 @@ import torch
 from ..config import ConfigError, EngineConfig
 from kvmesh.engine.kv.gather import block_shape, cache_layout
 from .events import KVEventHandler
+from .host_state_tier import HostStateTier
 from .host_tier import HostTier
 from .kv_manager import KVCacheManager
 from .remote_tier import RemoteTier
+from .state_wire import StateGeometry, checkpoint_layout
 from .tiers import KVTiers
 
 
@@ -40,3 +43,25 @@ def build_tiers(cfg: EngineConfig, kv: KVCacheManager, kv_cache: torch.Tensor,
         remote = RemoteTier(link.clients, cache_layout(kv.extra, kv_cache), shape, kv_cache.dtype,
                             timeout=cfg.cache_node_timeout, on_failure=link.on_failure, staging=link.staging)
     return KVTiers(kv, kv_cache, host, remote), link
+
+
+def build_state_tier(cfg: EngineConfig, ckpt_conv: torch.Tensor, ckpt_ssm: torch.Tensor) -> HostStateTier | None:
+    """The host checkpoint tier of a hybrid model (``cpu_state_bytes``, default a quarter of
+    ``cpu_kv_bytes``), or None without a host KV tier. ``ckpt_*``: ``StatePool``'s entries."""
+    if not cfg.cpu_kv_bytes:
+        return None
+    budget = cfg.cpu_state_bytes or cfg.cpu_kv_bytes // 4
+    conv_shape, ssm_shape = (ckpt_conv.shape[0], *ckpt_conv.shape[2:]), (ckpt_ssm.shape[0], *ckpt_ssm.shape[2:])
+    entry = (ckpt_conv[:, 0].numel() * ckpt_conv.element_size() + ckpt_ssm[:, 0].numel() * ckpt_ssm.element_size())
+    if budget // entry < 1:
+        raise ConfigError(f"--cpu-state-bytes {budget} holds no recurrent-state checkpoint of {entry} bytes")
+    return HostStateTier(budget // entry, conv_shape, ckpt_conv.dtype, ssm_shape, ckpt_conv.device)
+
+
+def enable_remote_states(tiers: KVTiers, layer_ids: Sequence[int], ckpt_conv: torch.Tensor,
+                         ckpt_ssm: torch.Tensor) -> None:
+    """Hybrid with a cache node: checkpoints travel with blocks, in a layout beside the KV one."""
+    if tiers.remote is None:
+        return
+    geometry = StateGeometry.of(ckpt_conv, ckpt_ssm)
+    tiers.remote.enable_states(checkpoint_layout(tiers.remote.layout, layer_ids, geometry), geometry)

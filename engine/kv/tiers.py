@@ -34,6 +34,7 @@ from .events import TIER_CPU, TIER_GPU, TIER_REMOTE, AllBlocksCleared, BlockStor
 from .host_tier import HostTier, TierStats
 from .kv_manager import CachedSegment, KVCacheManager
 from .remote_tier import RemoteTier
+from .state_wire import FetchedState
 
 
 @dataclass
@@ -44,6 +45,8 @@ class LowerHits:
     remote_blocks: torch.Tensor | None = None
     """``[n, layers, 2, block_size, heads, dim]`` (a view of the fetch), or None."""
     block_size: int = 0
+    state: FetchedState | None = None
+    """Hybrid: a checkpoint the cache node had for this chain (it may end past the KV hits)."""
 
     @property
     def num_blocks(self) -> int:
@@ -94,7 +97,8 @@ class KVTiers:
                 if self.remote.is_pending(request_id):
                     return None
                 if n + k < max_blocks:
-                    f = self.remote.start_fetch(request_id, n + k, chain[n + k:])
+                    states = chain[::-1] if self.remote.state_layout is not None else ()
+                    f = self.remote.start_fetch(request_id, n + k, chain[n + k:], states)
                     if not f.done:
                         return None
                     f = self.remote.result(request_id)
@@ -102,6 +106,8 @@ class KVTiers:
                 # Fetched blocks cover chain[f.start : f.start + len]; use those past the local hits.
                 skip = n + k - f.start
                 hits.remote_blocks = f.blocks[skip:max_blocks - f.start]
+            if f is not None:
+                hits.state = f.state
         if k:
             hits.host_hashes = chain[n:n + k]
             self.host.reserve(hits.host_hashes)
@@ -129,6 +135,18 @@ class KVTiers:
             if m:
                 self._remote_loads.append((got, ids[k:k + m], f.buffer if f is not None else None))
             self.remote.forget(request_id)
+
+    def trim(self, hits: LowerHits, num_blocks: int) -> None:
+        """Keep only the first ``num_blocks`` (>= 0) of ``hits`` (a hybrid hit ends at its last
+        checkpoint): the host blocks past them go back unreserved, fetched ones are not loaded."""
+        num_blocks = max(0, num_blocks)
+        k = len(hits.host_hashes)
+        if num_blocks < k:
+            if self.host is not None:
+                self.host.release(hits.host_hashes[num_blocks:])
+            hits.host_hashes = hits.host_hashes[:num_blocks]
+        if hits.remote_blocks is not None:
+            hits.remote_blocks = hits.remote_blocks[:max(0, num_blocks - k)]
 
     def cancel(self, hits: LowerHits | None) -> None:
         """The admission did not happen (no room): give the reserved host blocks back."""

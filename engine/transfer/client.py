@@ -39,7 +39,7 @@ from .buffers import KVBlock
 from .channel import Channel
 from .errors import (AuthFailed, ConnectFailed, HeaderMismatch, LaneMismatch, PeerGone, ProtocolError, RemoteError,
                      TransferError, TransferTimeout)
-from .header import BlockBatch, BlockLayout, check_batch
+from .header import KIND_STATE, BlockBatch, BlockLayout, check_batch
 from .loop_thread import LoopThread
 from .posted import start
 from .staging import StagingPool
@@ -137,7 +137,8 @@ class AsyncKVClient:
         return await self._request(run, timeout, f"lookup of {len(hashes)} hashes")
 
     async def get(self, layout: BlockLayout, hashes: Sequence[bytes], timeout: float | None = None) -> list[KVBlock]:
-        """Blocks for the longest held prefix of ``hashes``, each checked against ``layout``."""
+        """Blocks for the longest held prefix of ``hashes``, each checked against ``layout``; for a
+        state layout, the checkpoint of the first of ``hashes`` the node holds (at most one)."""
         if not hashes:
             return []
 
@@ -152,7 +153,10 @@ class AsyncKVClient:
             # Checked before receiving: a mismatched block is never loaded (the channel is dropped).
             check_batch(batch, expected=layout)
             n = len(batch.hashes)
-            if n > len(hashes) or batch.hashes != list(hashes[:n]):
+            if layout.kind == KIND_STATE:  # one checkpoint: the first asked hash the node holds
+                if n != 1 or batch.hashes[0] not in hashes:
+                    raise HeaderMismatch("block_hash", "one of the asked checkpoints", f"{n} other hashes")
+            elif n > len(hashes) or batch.hashes != list(hashes[:n]):
                 raise HeaderMismatch("block_hash", "a prefix of the asked chain", f"{n} other hashes")
             # One buffer for the batch: the blocks come back as consecutive views of it, so a
             # receiver that loads them all (the engine's remote tier) scatters with no copy first.

@@ -14,7 +14,7 @@ class HeaderMismatch(TransferError):
 
     ``field`` names the first header field that differs (``version``, ``extra_key``, ``dtype``,
     ``block_size``, ``num_layers``, ``num_kv_heads``, ``head_dim``, ``buffers``, ``block_hash``,
-    ``parent_hash``).
+    ``parent_hash``; for checkpoints ``kind``, ``state`` and ``state[<buffer>]``).
     """
 
     def __init__(self, field: str, expected: Any, got: Any, detail: str = "") -> None:

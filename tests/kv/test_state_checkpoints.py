@@ -73,7 +73,7 @@ def test_hooks_report_exactly_the_indexed_hashes():
         seen.add(h)
         calls.append(("+", h))
 
-    def evicted(h):
+    def evicted(entry, h):
         seen.remove(h)
         calls.append(("-", h))
 

@@ -1,0 +1,102 @@
+"""The host checkpoint tier and its use by HybridStateManager, on real tensors (no model).
+
+Real: ``HostStateTier`` copying to and from checkpoint tensors shaped like ``StatePool``'s,
+``CheckpointIndex`` and ``HybridStateManager`` as the engine drives them; hashes are made up.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.engine.kv.host_state_tier import HostStateTier
+from kvmesh.engine.kv.hybrid_state import HybridStateManager
+from kvmesh.engine.kv.state_checkpoints import CheckpointIndex
+
+L, N = 3, 2  # state layers, device entries
+CONV, SSM = (L, 6, 3), (L, 2, 4, 4)
+
+
+def _pool() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros((L, N, *CONV[1:]), dtype=torch.bfloat16), torch.zeros((L, N, *SSM[1:]))
+
+
+def _fill(conv, ssm, entry: int, value: float) -> None:
+    conv[:, entry] = value
+    ssm[:, entry] = value
+
+
+def _h(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def _manager(host_slots: int) -> tuple[HybridStateManager, HostStateTier]:
+    host = HostStateTier(host_slots, CONV, torch.bfloat16, SSM, torch.device("cpu"))
+    return HybridStateManager(4, 16, CheckpointIndex(N), host=host), host
+
+
+def _publish(m: HybridStateManager, conv, ssm, h: bytes, value: float) -> int:
+    idx = m.checkpoints.reserve()
+    m.flush(conv, ssm)  # an eviction by this reserve is copied out before the entry is written
+    _fill(conv, ssm, idx, value)
+    m._publish(idx, h)
+    return idx
+
+
+def test_evicted_checkpoint_moves_to_host_and_back_with_its_bytes():
+    m, host = _manager(4)
+    conv, ssm = _pool()
+    for i in range(3):  # the third evicts the first (LRU) into the host tier
+        _publish(m, conv, ssm, _h(i), float(i + 1))
+    assert host.has(_h(0)) and _h(0) not in m.checkpoints and host.stats.stored == 1
+    assert torch.equal(host.ssm[host._lru[_h(0)]], torch.full(SSM, 1.0))
+    m.check_integrity()
+    blocks, entry = m.hit([_h(9), _h(0)], 2)  # the hit ends at block 2, whose checkpoint is on the host
+    assert blocks == 2 and entry is not None
+    m.allocate("r", entry)
+    assert _h(0) in m.checkpoints and not host.has(_h(0))
+    m.flush(conv, ssm)  # the evicted entry's save first, then the promotion's load
+    assert torch.equal(ssm[:, entry], torch.full(SSM, 1.0)) and torch.equal(conv[:, entry], torch.full(CONV, 1.0,
+                                                                                                    dtype=torch.bfloat16))
+    plan = m.plan([], lambda *a: [])
+    m.commit(plan)
+    m.free("r")
+    m.check_integrity()
+
+
+def test_cancelled_promotion_gives_everything_back():
+    m, host = _manager(4)
+    conv, ssm = _pool()
+    for i in range(3):
+        _publish(m, conv, ssm, _h(i), float(i + 1))
+    blocks, entry = m.hit([_h(0)], 1)
+    assert blocks == 1
+    m.cancel(entry)
+    assert host.has(_h(0)) and _h(0) not in m.checkpoints
+    m.check_integrity()
+
+
+def test_host_lru_evicts_and_drops_when_full():
+    m, host = _manager(1)
+    conv, ssm = _pool()
+    for i in range(4):
+        _publish(m, conv, ssm, _h(i), float(i + 1))
+    # Device holds 2 and 3; the host's single slot went to 0, then 1 evicted it.
+    assert host.hashes() == {_h(1)} and host.stats.evictions == 1 and host.stats.stored == 2
+    m.check_integrity()
+
+
+def test_recomputed_checkpoint_drops_the_host_copy():
+    m, host = _manager(4)
+    conv, ssm = _pool()
+    for i in range(3):
+        _publish(m, conv, ssm, _h(i), float(i + 1))
+    assert host.has(_h(0))
+    _publish(m, conv, ssm, _h(0), 1.0)  # captured again on the device: one copy only
+    assert not host.has(_h(0)) and _h(0) in m.checkpoints
+    m.check_integrity()
+
+
+def test_needs_a_slot():
+    with pytest.raises(ValueError, match="cpu-state-bytes"):
+        HostStateTier(0, CONV, torch.bfloat16, SSM, torch.device("cpu"))
