@@ -10,6 +10,13 @@ to back in header order. The header says what those bytes are:
   block of a batch.
 * ``BlockHeader``: a layout plus the block's own hash and its parent's hash.
 
+An entry is of one of two kinds (``BlockLayout.kind``): ``kv`` (a KV block, as above) or
+``state`` (a hybrid model's recurrent-state checkpoint at the end of the block with that hash:
+one buffer per DeltaNet layer's conv state and one per recurrent state, each described by
+``StateBufferSpec`` with its dtype and shape, so a receiver checks them field by field). The
+geometry fields of a state layout still describe the model's attention KV (the same model's
+blocks), ``dtype`` is the model dtype; ``state`` is empty for ``kv``.
+
 Invariants: a layout that passed ``validate_layout`` has ``k.i``/``v.i`` buffers for every layer
 with exactly ``block_size * num_kv_heads * head_dim * itemsize(dtype)`` bytes each, unique names,
 and ``nbytes == sum of buffer sizes``. ``check_layout`` and ``check_header`` raise
@@ -39,6 +46,26 @@ class BufferSpec(msgspec.Struct, frozen=True, array_like=True):
     nbytes: int
 
 
+KIND_KV = "kv"
+KIND_STATE = "state"
+
+
+class StateBufferSpec(msgspec.Struct, frozen=True, array_like=True):
+    """One buffer of a recurrent-state checkpoint: ``name`` (``conv.i`` / ``ssm.i``, i = the
+    model's layer index), element ``dtype`` and ``shape``; its bytes follow from them."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_SIZES.get(self.dtype, 0)
+        for d in self.shape:
+            n *= d
+        return n
+
+
 class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
     """What a block's bytes mean; equal layouts mean interchangeable blocks (given equal hashes)."""
 
@@ -50,6 +77,9 @@ class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_heads: int
     head_dim: int
     buffers: tuple[BufferSpec, ...]
+    kind: str = KIND_KV
+    state: tuple[StateBufferSpec, ...] = ()
+    """``kind == "state"`` only: what each buffer is (``buffers`` repeats names and sizes)."""
 
     @property
     def nbytes(self) -> int:
@@ -109,6 +139,15 @@ def kv_layout(extra_key: bytes, dtype: str, block_size: int, num_layers: int, nu
     return layout
 
 
+def state_layout(kv: BlockLayout, specs: Sequence[StateBufferSpec]) -> BlockLayout:
+    """The layout of the model's checkpoints, beside ``kv`` (its KV block layout): same identity
+    and geometry, ``kind`` state, one buffer per spec in order."""
+    layout = msgspec.structs.replace(kv, kind=KIND_STATE, state=tuple(specs),
+                                     buffers=tuple(BufferSpec(s.name, s.nbytes) for s in specs))
+    validate_layout(layout)
+    return layout
+
+
 def validate_layout(layout: BlockLayout) -> None:
     """Check a layout on its own (the receiver runs this on every incoming batch)."""
     if layout.version != HEADER_VERSION:
@@ -123,6 +162,11 @@ def validate_layout(layout: BlockLayout) -> None:
     names = [b.name for b in layout.buffers]
     if len(set(names)) != len(names) or any(b.nbytes < 0 for b in layout.buffers):
         raise HeaderMismatch("buffers", "unique names, sizes >= 0", names)
+    if layout.kind == KIND_STATE:
+        _validate_state(layout)
+        return
+    if layout.kind != KIND_KV or layout.state:
+        raise HeaderMismatch("kind", f"{KIND_KV} (no state specs) or {KIND_STATE}", layout.kind)
     per = layout.block_size * layout.num_kv_heads * layout.head_dim * DTYPE_SIZES[layout.dtype]
     sizes = {b.name: b.nbytes for b in layout.buffers}
     for name in kv_buffer_names(layout.num_layers):
@@ -131,8 +175,21 @@ def validate_layout(layout: BlockLayout) -> None:
                                  "buffer sizes disagree with the block geometry")
 
 
-_LAYOUT_FIELDS = ("version", "extra_key", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim",
-                  "buffers")
+def _validate_state(layout: BlockLayout) -> None:
+    if not layout.state:
+        raise HeaderMismatch("state", "at least one buffer", "none")
+    for spec in layout.state:
+        if spec.dtype not in DTYPE_SIZES or not spec.shape or any(d < 1 for d in spec.shape):
+            raise HeaderMismatch(f"state[{spec.name}]", "a known dtype and a shape of sizes >= 1",
+                                 (spec.dtype, spec.shape))
+    want = [(s.name, s.nbytes) for s in layout.state]
+    have = [(b.name, b.nbytes) for b in layout.buffers]
+    if want != have:
+        raise HeaderMismatch("buffers", want, have, "buffers disagree with the state specs")
+
+
+_LAYOUT_FIELDS = ("version", "kind", "extra_key", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim",
+                  "state", "buffers")
 
 
 def check_layout(expected: BlockLayout, got: BlockLayout) -> None:
@@ -144,6 +201,11 @@ def check_layout(expected: BlockLayout, got: BlockLayout) -> None:
         if want != have:
             if name == "buffers":
                 want, have = [(b.name, b.nbytes) for b in want], [(b.name, b.nbytes) for b in have]
+            if name == "state":  # name the first buffer whose dtype or shape differs
+                for w, h in zip(want, have):
+                    if w != h:
+                        raise HeaderMismatch(f"state[{w.name}]", (w.name, w.dtype, w.shape), (h.name, h.dtype, h.shape))
+                want, have = len(want), len(have)
             raise HeaderMismatch(name, want, have)
 
 
