@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from kvmesh.engine.config import ConfigError, EngineConfig
-from kvmesh.engine.engine import LLMEngine, UnsupportedForHybridError
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.llm import LLM
-from kvmesh.engine.roles import PrefillHandoff
 from kvmesh.engine.sampling import SamplingParams
 from tests.support.tiny_hybrid import hf_greedy, make_tiny_hybrid_model
 
@@ -116,12 +115,10 @@ def test_repeated_prompts_hit_only_with_checkpoints(model_dir, reference):
 
 
 def test_refuses_what_does_not_carry_state(model_dir):
-    """Lower KV tiers and prefill/decode handoffs would lose the recurrent state: refused with a reason."""
+    """Lower KV tiers would lose the recurrent state: refused with a reason (prefill/decode
+    handoffs carry it: tests/disagg/test_handoff_hybrid.py)."""
     with pytest.raises(ConfigError, match="host KV tier"):
         LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", cpu_kv_bytes=1 << 20))
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64))
-    with pytest.raises(UnsupportedForHybridError, match="handoffs"):
-        engine.add_request("x", [5, 6, 7], _params(), handoff=PrefillHandoff())
 
 
 @pytest.mark.slow
