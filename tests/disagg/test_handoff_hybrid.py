@@ -218,15 +218,17 @@ def test_a_reservation_whose_state_layout_differs_is_refused_before_any_byte(mod
     ep, drv = DecodeEndpoint(d), Driver(d)
     kv = ep.handler.layout
     own = list(ep.handler.state_layout.state)
-    conv, ssm = own[0], own[len(own) // 2]
+    names = [b.name for b in own]
+    assert names == ["ssm.0", "ssm.1", "ssm.2", "conv.0", "conv.1", "conv.2"]  # the tiny model's 3 DeltaNet layers
+
+    def changed(name: str, **field) -> list[StateBufferSpec]:
+        return [msgspec.structs.replace(b, **field) if b.name == name else b for b in own]
+
     variants = {
         "state": None,  # a prefill engine whose model keeps no recurrent state
-        f"state[{conv.name}]": state_layout(kv, [StateBufferSpec(conv.name, conv.dtype, (conv.shape[0], 2)),
-                                                  *own[1:]]),  # another conv kernel
-        f"state[{ssm.name}]": state_layout(kv, [*own[:len(own) // 2],
-                                                 StateBufferSpec(ssm.name, "bfloat16", ssm.shape),
-                                                 *own[len(own) // 2 + 1:]]),  # a rounded recurrent state
-        "state[conv.2]": state_layout(kv, [*own[:2], *own[3:5]]),  # one DeltaNet layer fewer
+        "state[conv.1]": state_layout(kv, changed("conv.1", shape=(own[4].shape[0], 2))),  # another conv kernel
+        "state[ssm.0]": state_layout(kv, changed("ssm.0", dtype="bfloat16")),  # a rounded recurrent state
+        "state[ssm.2]": state_layout(kv, [*own[:2], *own[3:5]]),  # one DeltaNet layer fewer
     }
     client = AsyncKVClient("127.0.0.1", ep.port, timeout=10.0)
     loop = shared_loop()
