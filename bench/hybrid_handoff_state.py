@@ -27,7 +27,7 @@ import time
 import torch
 
 from kvmesh.engine.kv.gather import gather_blocks
-from kvmesh.engine.kv.state_wire import gather_state, scatter_state, slot_nbytes
+from kvmesh.engine.kv.slot_wire import gather_state, scatter_state, slot_nbytes
 from kvmesh.engine.model.config import ModelConfig
 from kvmesh.engine.model.recurrent_state import StatePool
 

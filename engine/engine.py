@@ -31,7 +31,7 @@ from kvmesh.engine.kv.gather import scatter_blocks
 from kvmesh.engine.kv.events import KVEvent, KVEventLog
 from kvmesh.engine.kv.kv_manager import KVCacheManager
 from kvmesh.engine.kv.hybrid_state import HybridStateManager, StepStatePlan
-from kvmesh.engine.kv.state_wire import scatter_state, slot_nbytes
+from kvmesh.engine.kv.slot_wire import scatter_state, slot_nbytes
 from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, CheckpointStats
 from kvmesh.engine.kv.tiers import KVTiers, TierSnapshot
 from kvmesh.engine.model.attention import AttentionBackend

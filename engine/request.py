@@ -57,7 +57,7 @@ class Request:
     never chosen as a preemption victim."""
     handoff_state: torch.Tensor | None = None
     """Decode role, hybrid models: the recurrent state at the prompt's end that came with the
-    transfer (flat host bytes, ``kv.state_wire``); the engine writes it into the request's slot
+    transfer (flat host bytes, ``kv.slot_wire``); the engine writes it into the request's slot
     before its first step and drops it."""
     prompt_logprobs: list[Any] | None = None
     """With ``params.prompt_logprobs``: a ``TokenLogprob`` per prompt position after the first,

@@ -35,7 +35,7 @@ from ..transfer.staging import StagingPool
 from .checks import Limits, check_push, check_reserve, check_state_layout, check_transfer_id
 from .errors import BadField, HandoffError, NoRoom, TooLarge, UnknownTransfer
 from kvmesh.engine.kv.gather import block_shape, cache_layout
-from kvmesh.engine.kv.state_wire import handoff_state_layout
+from kvmesh.engine.kv.slot_wire import slot_state_layout
 from kvmesh.engine.block_hash import ROOT_HASH
 
 log = logging.getLogger("kvmesh.disagg")
@@ -58,7 +58,7 @@ class DecodeHandler:
         self.layout: BlockLayout = cache_layout(engine.kv.extra, engine.runner.kv_cache)
         states = engine.runner.states
         self.state_layout: BlockLayout | None = (
-            None if states is None else handoff_state_layout(self.layout, states, engine.model_config.linear_layers))
+            None if states is None else slot_state_layout(self.layout, states, engine.model_config.linear_layers))
         """A hybrid model's recurrent-state layout: every reservation must name exactly this one."""
         self.state_bytes = 0 if self.state_layout is None else self.state_layout.nbytes
         self.block_shape = block_shape(engine.runner.kv_cache)

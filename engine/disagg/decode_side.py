@@ -64,7 +64,7 @@ class Reservation:
     first: FirstToken | None = None
     state: torch.Tensor | None = None
     """Hybrid models: the request's recurrent state at the prompt's end (flat uint8 host bytes in
-    the state layout, ``kv.state_wire``), from the final push until the claim hands it on."""
+    the state layout, ``kv.slot_wire``), from the final push until the claim hands it on."""
 
     @property
     def complete(self) -> bool:

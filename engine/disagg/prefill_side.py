@@ -22,7 +22,7 @@ import torch
 
 from kvmesh.engine.block_hash import BlockHash
 from ..kv.gather import block_shape, gather_blocks
-from ..kv.state_wire import gather_state, slot_nbytes
+from ..kv.slot_wire import gather_state, slot_nbytes
 from ..kv.kv_manager import KVCacheManager
 from ..outputs import TokenLogprob
 from ..request import Request
@@ -53,7 +53,7 @@ class KVHandoff:
     recycle: Callable[[np.ndarray], None] | None = None
     state: torch.Tensor | None = None
     """Hybrid models, final part only: the request's recurrent state at the prompt's end (flat
-    uint8 host bytes in the state layout, ``kv.state_wire``)."""
+    uint8 host bytes in the state layout, ``kv.slot_wire``)."""
 
     @property
     def nbytes(self) -> int:

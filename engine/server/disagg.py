@@ -83,12 +83,12 @@ class DisaggServing:
                                            token=self.token)
         elif self.role == "prefill":
             from kvmesh.engine.kv.gather import cache_layout
-            from kvmesh.engine.kv.state_wire import handoff_state_layout
+            from kvmesh.engine.kv.slot_wire import slot_state_layout
             from kvmesh.engine.disagg.prefill_link import DecodeLinks
 
             layout = cache_layout(engine.kv.extra, engine.runner.kv_cache)
             states = engine.runner.states  # a hybrid model's: its state goes with the KV
-            state = None if states is None else handoff_state_layout(layout, states, engine.model_config.linear_layers)
+            state = None if states is None else slot_state_layout(layout, states, engine.model_config.linear_layers)
             # A connection attempt gets part of the transfer budget, so a dead peer is reported as
             # unreachable (not as a timeout) within it.
             self.links = DecodeLinks(layout, self.transfer_timeout_s, connect_timeout_s=min(5.0, self.transfer_timeout_s / 2),

@@ -28,7 +28,7 @@ from kvmesh.engine.disagg.errors import TransferMismatch
 from kvmesh.engine.disagg.prefill_side import DECODE
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.kv.gather import cache_layout
-from kvmesh.engine.kv.state_wire import handoff_state_layout
+from kvmesh.engine.kv.slot_wire import slot_state_layout
 from kvmesh.engine.roles import DecodeClaim, PrefillHandoff
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.transfer import protocol
@@ -156,7 +156,7 @@ class Driver:
 def _links(p: LLMEngine) -> DecodeLinks:
     layout = cache_layout(p.kv.extra, p.runner.kv_cache)
     return DecodeLinks(layout, timeout_s=20.0, connect_timeout_s=5.0,
-                       state_layout=handoff_state_layout(layout, p.runner.states, p.model_config.linear_layers))
+                       state_layout=slot_state_layout(layout, p.runner.states, p.model_config.linear_layers))
 
 
 def _prefill_parts(p: LLMEngine, rid: str, prompt: list[int], start: int):
@@ -219,16 +219,16 @@ def test_a_reservation_whose_state_layout_differs_is_refused_before_any_byte(mod
     kv = ep.handler.layout
     own = list(ep.handler.state_layout.state)
     names = [b.name for b in own]
-    assert names == ["ssm.0", "ssm.1", "ssm.2", "conv.0", "conv.1", "conv.2"]  # the tiny model's 3 DeltaNet layers
+    assert names == ["conv.0", "conv.1", "conv.2", "ssm.0", "ssm.1", "ssm.2"]  # the tiny model's 3 DeltaNet layers
 
     def changed(name: str, **field) -> list[StateBufferSpec]:
         return [msgspec.structs.replace(b, **field) if b.name == name else b for b in own]
 
     variants = {
         "state": None,  # a prefill engine whose model keeps no recurrent state
-        "state[conv.1]": state_layout(kv, changed("conv.1", shape=(own[4].shape[0], 2))),  # another conv kernel
+        "state[conv.1]": state_layout(kv, changed("conv.1", shape=(own[1].shape[0], 2))),  # another conv kernel
         "state[ssm.0]": state_layout(kv, changed("ssm.0", dtype="bfloat16")),  # a rounded recurrent state
-        "state[ssm.2]": state_layout(kv, [*own[:2], *own[3:5]]),  # one DeltaNet layer fewer
+        "state[conv.2]": state_layout(kv, [*own[:2], *own[3:5]]),  # one DeltaNet layer fewer
     }
     client = AsyncKVClient("127.0.0.1", ep.port, timeout=10.0)
     loop = shared_loop()
