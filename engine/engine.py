@@ -31,6 +31,7 @@ from kvmesh.engine.kv.gather import scatter_blocks
 from kvmesh.engine.kv.events import KVEvent, KVEventLog, checkpoint_removed, checkpoint_stored
 from kvmesh.engine.kv.kv_manager import KVCacheManager
 from kvmesh.engine.kv.hybrid_state import HybridStateManager, StepStatePlan
+from kvmesh.engine.kv.slot_wire import scatter_state, slot_nbytes
 from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, CheckpointStats
 from kvmesh.engine.kv.tiers import KVTiers, TierSnapshot
 from kvmesh.engine.model.attention import AttentionBackend
@@ -65,10 +66,6 @@ class EmptyPromptError(InvalidPromptError):
 class PromptTooLongError(ValueError):
     """The request exceeds a length limit (model length, KV cache, or with chunked prefill off
     the step budget); the message names the limit."""
-
-
-class UnsupportedForHybridError(ValueError):
-    """A feature this engine offers for attention-only models is not built for hybrid models yet."""
 
 
 class DuplicateRequestError(ValueError):
@@ -241,10 +238,13 @@ class LLMEngine:
                 and self.tiers.remote is not None
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, tiers=self.tiers, states=self.state_slots)
-        self.prefill = PrefillRole(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout, self._on_step_thread)
-        """The prefill side of handoffs (engine/disagg/prefill_side.py)."""
+        self.prefill = PrefillRole(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout, self._on_step_thread,
+                                   states=self.runner.states)
+        """The prefill side of handoffs (engine/disagg/prefill_side.py); a hybrid model's final part
+        carries the request's recurrent state."""
         self.decode = DecodeRole(DecodeTransfers(self.kv, self.write_blocks, cfg.kv_transfer_timeout,
-                                                 cfg.kv_transfer_timeout, cfg.kv_transfer_reserve_tokens),
+                                                 cfg.kv_transfer_timeout, cfg.kv_transfer_reserve_tokens,
+                                                 slot_nbytes(self.runner.states) if hybrid else 0),
                                  self._on_step_thread)
         """The decode side of handoffs (engine/disagg/decode_side.py)."""
         self.wake: Callable[[], None] | None = None
@@ -351,10 +351,6 @@ class LLMEngine:
         ``DecodeClaim`` starts it from a completed transfer.
         """
         ids = self.check_request(prompt_token_ids, params)
-        if handoff is not None and self.is_hybrid:
-            raise UnsupportedForHybridError(
-                "prefill/decode handoffs do not carry recurrent state yet; serve hybrid models without disaggregation"
-            )
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator(device=self.device)
@@ -522,6 +518,7 @@ class LLMEngine:
                 s.request.metrics.first_scheduled_time = now
         block_ids = [self.kv.block_ids(s.request.request_id) for s in sched.seqs]
         plan = self._state_plan(sched)
+        self._load_handoff_states(sched)
         try:
             result = self.runner.execute(sched, block_ids, plan)
         except Exception as exc:  # noqa: BLE001 - which request caused it is unknown: fail the batch
@@ -554,7 +551,8 @@ class LLMEngine:
                     m.first_token_time = now
                 m.last_token_time = now
                 if req.handoff is not None:
-                    handoff = self.prefill.hand_off(req, tok, lp, now)
+                    slot = self.state_slots.slot(req.request_id) if self.state_slots is not None else None
+                    handoff = self.prefill.hand_off(req, tok, lp, now, slot)
                     self.scheduler.finish(req, "transfer", keep_kv=True)
                     self._forget(req, now)
                     outputs.append(RequestOutput(req.request_id, req.prompt_token_ids, [tok], [tok], "", "", True,
@@ -595,6 +593,17 @@ class LLMEngine:
         plan = self.state_slots.plan(seqs, lambda rid, toks, root, n: self.kv.extend_chain(rid, toks, n, root))
         self.state_slots.flush(self.runner.states.ckpt_conv, self.runner.states.ckpt_ssm)
         return plan
+
+    def _load_handoff_states(self, sched) -> None:
+        """Hybrid decode role: write each newly admitted transferred request's recurrent state (the
+        prefill engine's, at the prompt's end) into its slot before the forward reads it."""
+        if self.state_slots is None:
+            return
+        for s in sched.seqs:
+            req = s.request
+            if req.handoff_state is not None:
+                scatter_state(self.runner.states, self.state_slots.slot(req.request_id), req.handoff_state)
+                req.handoff_state = None
 
     def check_integrity(self) -> None:
         """KV manager and lower-tier invariants (O(blocks); tests and debug runs)."""

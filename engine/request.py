@@ -55,6 +55,10 @@ class Request:
     transferred: bool = False
     """Decode role: the prompt's KV arrived by transfer; it holds every block it will need and is
     never chosen as a preemption victim."""
+    handoff_state: torch.Tensor | None = None
+    """Decode role, hybrid models: the recurrent state at the prompt's end that came with the
+    transfer (flat host bytes, ``kv.slot_wire``); the engine writes it into the request's slot
+    before its first step and drops it."""
     prompt_logprobs: list[Any] | None = None
     """With ``params.prompt_logprobs``: a ``TokenLogprob`` per prompt position after the first,
     appended as prefill computes them (complete once len == num_prompt_tokens - 1)."""

@@ -17,6 +17,8 @@ import torch
 from kvmesh.engine.block_hash import HASH_LEN
 from kvmesh.engine.sampling import SamplingParams
 
+from ..transfer.errors import HeaderMismatch
+from ..transfer.header import KIND_STATE, BlockLayout, check_layout, validate_layout
 from ..transfer.protocol import FirstToken, PushKV, Reserve
 from .errors import BadField
 
@@ -35,6 +37,8 @@ class Limits:
     max_blocks: int
     device: str = "cpu"
     max_top_logprobs: int = SamplingParams.MAX_LOGPROBS
+    state_bytes: int = 0
+    """A hybrid model's recurrent state per request (its final push carries it); 0: none."""
 
     @property
     def generator_state_bytes(self) -> int:
@@ -108,9 +112,31 @@ def check_push(msg: PushKV, lim: Limits) -> None:
     for h in msg.hashes:
         if h is not None and len(h) != HASH_LEN:
             raise BadField("hashes", f"a block hash is {HASH_LEN} bytes, got {len(h)}")
+    if msg.state and not msg.final:
+        raise BadField("state", "only the final push carries the recurrent state")
+    if msg.final and msg.state != bool(lim.state_bytes):
+        raise BadField("state", "a hybrid model's final push carries the recurrent state" if lim.state_bytes
+                       else "this engine's model keeps no recurrent state; a push cannot carry one")
     if msg.first is not None:
         if not msg.final:
             raise BadField("first", "only the final push carries the first token")
         check_first_token(msg.first, lim)
     elif msg.final:
         raise BadField("first", "the final push must carry the first token")
+
+
+def check_state_layout(expected: BlockLayout | None, got: BlockLayout | None) -> None:
+    """A reservation's recurrent-state layout against the decode engine's own (None: a model without
+    one). Raises ``HeaderMismatch`` on the first differing field: the kind, then each buffer's name,
+    dtype and shape in order (so a different DeltaNet layer count or state shape is named), then the
+    byte sizes; nothing is reserved and no byte is read for a transfer that fails it."""
+    if expected is None and got is None:
+        return
+    if expected is None or got is None:
+        raise HeaderMismatch("state", "a recurrent-state layout" if expected is not None else "none",
+                             "none" if got is None else f"{len(got.buffers)} state buffers",
+                             "one engine runs a hybrid model and the other does not")
+    if got.kind != KIND_STATE:
+        raise HeaderMismatch("state.kind", KIND_STATE, got.kind)
+    validate_layout(got)
+    check_layout(expected, got)

@@ -9,7 +9,9 @@ Failure semantics: a refused reservation is answered at once (``no_room``, ``too
 the reservation is answered ``bad_request`` before any payload is read; a connection that drops
 frees the incomplete reservations whose last message it carried (the prefill side is gone, or
 that transfer failed); payloads that do not all arrive within ``payload_timeout_s`` drop the
-connection, which frees the reservation the same way.
+connection, which frees the reservation the same way. A hybrid model's reservation must name the
+engine's own recurrent-state layout (checked field by field, counted in ``header_mismatches``),
+and its final push carries that state as one more payload after the blocks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..transfer import protocol
@@ -29,9 +32,10 @@ from ..transfer.header import BlockLayout, check_layout
 from ..transfer.loop_thread import shared_loop
 from ..transfer.server import KVServer
 from ..transfer.staging import StagingPool
-from .checks import Limits, check_push, check_reserve, check_transfer_id
+from .checks import Limits, check_push, check_reserve, check_state_layout, check_transfer_id
 from .errors import BadField, HandoffError, NoRoom, TooLarge, UnknownTransfer
 from kvmesh.engine.kv.gather import block_shape, cache_layout
+from kvmesh.engine.kv.slot_wire import slot_state_layout
 from kvmesh.engine.block_hash import ROOT_HASH
 
 log = logging.getLogger("kvmesh.disagg")
@@ -52,6 +56,11 @@ class DecodeHandler:
         self.engine = engine
         self.accepting = accepting
         self.layout: BlockLayout = cache_layout(engine.kv.extra, engine.runner.kv_cache)
+        states = engine.runner.states
+        self.state_layout: BlockLayout | None = (
+            None if states is None else slot_state_layout(self.layout, states, engine.model_config.linear_layers))
+        """A hybrid model's recurrent-state layout: every reservation must name exactly this one."""
+        self.state_bytes = 0 if self.state_layout is None else self.state_layout.nbytes
         self.block_shape = block_shape(engine.runner.kv_cache)
         self.dtype = engine.runner.kv_cache.dtype
         self.payload_timeout_s = payload_timeout_s
@@ -60,9 +69,11 @@ class DecodeHandler:
         self.recycle = engine.runner.kv_cache.device.type == "cpu"
         """Only where the fill's copy is synchronous: on a GPU it may still read the buffer."""
         self.limits = Limits(engine.model_config.vocab_size, engine.max_model_len, engine.kv.num_total_blocks,
-                             str(engine.device))
+                             str(engine.device), state_bytes=self.state_bytes)
         self.blocks_received = 0
         self.bytes_received = 0
+        self.header_mismatches = 0
+        """Reservations refused because their KV or state layout differs from this engine's."""
 
     async def handle(self, msg: protocol.Message, ch: Channel) -> None:
         try:
@@ -96,7 +107,9 @@ class DecodeHandler:
             return
         try:
             check_layout(self.layout, msg.layout)
+            check_state_layout(self.state_layout, msg.state)
         except HeaderMismatch as e:
+            self.header_mismatches += 1
             await ch.send(protocol.ErrorReply(protocol.ERR_HEADER, str(e), e.field, repr(e.expected), repr(e.got)))
             return
         try:
@@ -117,18 +130,24 @@ class DecodeHandler:
             return
         await ch.send(protocol.PushReady())
         n = len(msg.hashes)
-        data = None
-        if n:
+        data = state = None
+        # The state lands in memory of its own: it stays with the transfer until the claim (the
+        # staging buffer goes back to the pool right after the fill).
+        state_buf = np.empty(self.state_bytes, np.uint8) if msg.state else None
+        if n or state_buf is not None:
             nbytes = self.layout.nbytes
-            buf = self.staging.take(n * nbytes)
+            buf = self.staging.take(n * nbytes) if n else None
+            into = [buf[i * nbytes:(i + 1) * nbytes] for i in range(n)] + ([state_buf] if state_buf is not None else [])
             try:
-                await asyncio.wait_for(ch.recv_payloads_into([buf[i * nbytes:(i + 1) * nbytes] for i in range(n)]),
-                                       self.payload_timeout_s)
+                await asyncio.wait_for(ch.recv_payloads_into(into), self.payload_timeout_s)
             except TimeoutError:
                 raise TransferTimeout(f"push of {n} blocks for {msg.transfer_id} did not arrive within "
                                       f"{self.payload_timeout_s:.0f}s") from None
-            data = torch.from_numpy(buf).view(self.dtype).view(n, *self.block_shape)
-        filled = self.engine.decode.fill(msg.transfer_id, msg.start, data, msg.final, msg.first)
+            if n:
+                data = torch.from_numpy(buf).view(self.dtype).view(n, *self.block_shape)
+            if state_buf is not None:
+                state = torch.from_numpy(state_buf)
+        filled = self.engine.decode.fill(msg.transfer_id, msg.start, data, msg.final, msg.first, state)
         try:
             await asyncio.wrap_future(filled)
         except HandoffError as e:
@@ -140,8 +159,8 @@ class DecodeHandler:
             if n and self.recycle and filled.done() and not filled.cancelled():
                 self.staging.give(buf)
         self.blocks_received += n
-        self.bytes_received += n * self.layout.nbytes
-        await ch.send(protocol.PushDone(n))
+        self.bytes_received += n * self.layout.nbytes + (self.state_bytes if msg.state else 0)
+        await ch.send(protocol.PushDone(n + (1 if msg.state else 0)))
 
 
 class DecodeEndpoint:

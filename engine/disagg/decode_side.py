@@ -6,11 +6,13 @@ Life of a transfer ``T``::
             root)                    leading prompt blocks this engine already caches under the
                                      same chain root (the request's cache_salt) are reused
     fill(T, start, data, ...)        pushed blocks land in the reserved blocks, in order
-    fill(..., final=True, first)     the last one carries the first token; full prompt blocks join
-                                     this engine's prefix cache
+    fill(..., final=True, first,     the last one carries the first token (and, for a hybrid model,
+         state)                      the recurrent state at the prompt's end, kept with the
+                                     reservation); full prompt blocks join this engine's prefix cache
     claim(T, prompt, request_id,     the HTTP request arrives (same prompt, same root): its KV
           root)                      state is renamed to the request, which starts decoding
-                                     without any prefill
+                                     without any prefill; a hybrid request's state goes with
+                                     it and lands in its slot before its first step
 
 Invariants: a reservation holds every block its request can need for ``max_tokens`` generated
 tokens, capped at ``reserve_cap_tokens`` (0: no cap), so a claimed request within the cap never
@@ -60,6 +62,9 @@ class Reservation:
     that drops frees no transfer whose later messages went over another one."""
     next_block: int = 0
     first: FirstToken | None = None
+    state: torch.Tensor | None = None
+    """Hybrid models: the request's recurrent state at the prompt's end (flat uint8 host bytes in
+    the state layout, ``kv.slot_wire``), from the final push until the claim hands it on."""
 
     @property
     def complete(self) -> bool:
@@ -68,14 +73,18 @@ class Reservation:
 
 class DecodeTransfers:
     def __init__(self, kv: KVCacheManager, write_blocks: Callable[[Sequence[int], torch.Tensor], None],
-                 transfer_timeout_s: float = 30.0, claim_timeout_s: float = 30.0, reserve_cap_tokens: int = 0) -> None:
+                 transfer_timeout_s: float = 30.0, claim_timeout_s: float = 30.0, reserve_cap_tokens: int = 0,
+                 state_bytes: int = 0) -> None:
         """``write_blocks(ids, data)`` writes pushed KV into primary blocks (``LLMEngine.write_blocks``:
-        it saves evicted blocks the reservation displaced before their bytes are overwritten)."""
+        it saves evicted blocks the reservation displaced before their bytes are overwritten).
+        ``state_bytes``: a hybrid model's recurrent state per request, which every final push must
+        carry (0: a model without one)."""
         self.kv = kv
         self.write_blocks = write_blocks
         self.transfer_timeout_s = transfer_timeout_s
         self.claim_timeout_s = claim_timeout_s
         self.reserve_cap_tokens = reserve_cap_tokens
+        self.state_bytes = state_bytes
         self._res: dict[str, Reservation] = {}
         self.expired = 0
 
@@ -159,12 +168,20 @@ class DecodeTransfers:
         return r
 
     def fill(self, transfer_id: str, start: int, data: torch.Tensor | None, final: bool,
-             first: FirstToken | None, now: float) -> None:
-        """Write pushed blocks (already checked by ``check_push``) into the reserved blocks."""
+             first: FirstToken | None, now: float, state: torch.Tensor | None = None) -> None:
+        """Write pushed blocks (already checked by ``check_push``) into the reserved blocks; keep a
+        hybrid model's ``state`` (final push only) for the claim."""
         r = self._get(transfer_id)
         n = 0 if data is None else data.shape[0]
         if start != r.next_block:
             raise TransferMismatch(f"transfer {transfer_id!r}: fill at block {start}, expected {r.next_block}")
+        if state is not None and (not final or state.numel() != self.state_bytes):
+            raise TransferMismatch(f"transfer {transfer_id!r}: a recurrent state of {state.numel()} bytes in a "
+                                   f"{'final' if final else 'non-final'} push; this engine takes {self.state_bytes} "
+                                   "bytes with the final push")
+        if final and self.state_bytes and state is None:
+            raise TransferMismatch(f"transfer {transfer_id!r}: the final push of a hybrid model must carry "
+                                   "the recurrent state")
         key = transfer_key(transfer_id)
         if n:
             self.write_blocks(self.kv.block_ids(key)[start:start + n], data)
@@ -174,6 +191,7 @@ class DecodeTransfers:
             if first is None or r.next_block != self.prompt_blocks(r):
                 raise TransferMismatch(f"transfer {transfer_id!r}: final push without the first token or blocks")
             r.first = first
+            r.state = state
             self.kv.cache_blocks(key, r.prompt_token_ids, len(r.prompt_token_ids))
             r.deadline = now + self.claim_timeout_s
 
@@ -263,9 +281,11 @@ class DecodeRole:
         return self.post(lambda: self.transfers.check_push(transfer_id, start, hashes, final, time.monotonic(), owner))
 
     def fill(self, transfer_id: str, start: int, data: torch.Tensor | None, final: bool,
-             first: FirstToken | None) -> Future:
-        """Write pushed blocks (``[n, layers, 2, block_size, heads, dim]``) into the reservation."""
-        return self.post(lambda: self.transfers.fill(transfer_id, start, data, final, first, time.monotonic()))
+             first: FirstToken | None, state: torch.Tensor | None = None) -> Future:
+        """Write pushed blocks (``[n, layers, 2, block_size, heads, dim]``) into the reservation;
+        ``state``: a hybrid model's recurrent state (final push)."""
+        return self.post(lambda: self.transfers.fill(transfer_id, start, data, final, first, time.monotonic(),
+                                                     state))
 
     def cancel(self, transfer_id: str) -> None:
         self.post(lambda: self.transfers.cancel(transfer_id))
@@ -294,6 +314,7 @@ class DecodeRole:
             req.generator.set_state(torch.frombuffer(bytearray(first.generator_state), dtype=torch.uint8))
         req.num_computed_tokens = req.num_prompt_tokens
         req.num_cached_tokens = first.cached_tokens
+        req.handoff_state = r.state  # written into the request's slot when it is admitted
         req.append_token(first.token_id)
         m = req.metrics
         m.first_scheduled_time = m.first_token_time = m.last_token_time = now

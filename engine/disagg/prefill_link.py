@@ -48,8 +48,11 @@ class PushResult:
 
 class DecodeLinks:
     def __init__(self, layout: BlockLayout, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
-                 token: TokenSource = no_token) -> None:
+                 token: TokenSource = no_token, state_layout: BlockLayout | None = None) -> None:
+        """``state_layout``: a hybrid model's recurrent-state layout, named in every reservation
+        (the decode engine checks it against its own) and carried by every final push."""
         self.layout = layout
+        self.state_layout = state_layout
         self.token = token
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -77,7 +80,8 @@ class DecodeLinks:
                       max_tokens: int, root: bytes = ROOT_HASH) -> protocol.Reserved:
         """``root``: the request's chain root (its cache_salt); the decode engine hashes with it."""
         async def run(c: AsyncKVClient) -> protocol.Reserved | protocol.ErrorReply:
-            return await c.reserve(transfer_id, self.layout, prompt_token_ids, max_tokens, root=root)
+            return await c.reserve(transfer_id, self.layout, prompt_token_ids, max_tokens, root=root,
+                                   state=self.state_layout)
 
         reply = await self._on_loop(self._guarded(host, port, run))
         if isinstance(reply, protocol.ErrorReply):
@@ -88,8 +92,13 @@ class DecodeLinks:
         """Send one part of a handoff: its blocks, and with ``final`` the first token (parts go in order)."""
         t0 = time.perf_counter()
         payloads = [] if handoff.data is None else list(as_bytes(handoff.data).reshape(len(handoff.hashes), -1))
+        state = final and handoff.state is not None
+        if final and (handoff.state is None) != (self.state_layout is None):
+            raise ValueError("a hybrid model's final push carries its recurrent state, another model's none")
+        if state:
+            payloads.append(as_bytes(handoff.state))
         msg = protocol.PushKV(transfer_id, handoff.start, list(handoff.hashes), final,
-                              handoff.first if final else None)
+                              handoff.first if final else None, state)
 
         async def run(c: AsyncKVClient) -> int:
             return await c.push(msg, payloads)
@@ -99,7 +108,7 @@ class DecodeLinks:
             # Pushed and acknowledged: nothing reads the buffer any more. A failed push keeps it
             # out of the pool, since an abandoned send may still be reading it.
             handoff.recycle(handoff.buffer)
-        return PushResult(n, handoff.nbytes, time.perf_counter() - t0)
+        return PushResult(n - (1 if state else 0), handoff.nbytes, time.perf_counter() - t0)
 
     async def cancel(self, host: str, port: int, transfer_id: str) -> None:
         """Best effort: tell the decode engine to free a reservation this side will not fill."""

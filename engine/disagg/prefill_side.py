@@ -22,11 +22,13 @@ import torch
 
 from kvmesh.engine.block_hash import BlockHash
 from ..kv.gather import block_shape, gather_blocks
+from ..kv.slot_wire import gather_state, slot_nbytes
 from ..kv.kv_manager import KVCacheManager
 from ..outputs import TokenLogprob
 from ..request import Request
 from ..transfer.protocol import FirstToken
 from ..transfer.staging import StagingPool
+from ..model.recurrent_state import StatePool
 
 DECODE = "decode"
 
@@ -49,10 +51,14 @@ class KVHandoff:
     """The staging buffer under ``data`` when it came from a pool: hand it back (``recycle``) only
     after the push that read it completed."""
     recycle: Callable[[np.ndarray], None] | None = None
+    state: torch.Tensor | None = None
+    """Hybrid models, final part only: the request's recurrent state at the prompt's end (flat
+    uint8 host bytes in the state layout, ``kv.slot_wire``)."""
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.data is None else self.data.numel() * self.data.element_size()
+        kv = 0 if self.data is None else self.data.numel() * self.data.element_size()
+        return kv + (0 if self.state is None else self.state.numel())
 
 
 @dataclass
@@ -138,8 +144,10 @@ class PrefillRole:
     """
 
     def __init__(self, kv: KVCacheManager, kv_cache: torch.Tensor, timeout_s: float,
-                 post: Callable[[Callable[[], object]], Future]) -> None:
+                 post: Callable[[Callable[[], object]], Future], states: StatePool | None = None) -> None:
+        """``states``: a hybrid model's state pool; the final part then carries the request's state."""
         self.kv = kv
+        self.states = states
         self.kv_cache = kv_cache
         self.timeout_s = timeout_s
         self.post = post
@@ -163,19 +171,31 @@ class PrefillRole:
         done = min(req.num_computed_tokens, req.num_prompt_tokens) // self.kv.block_size
         return self._blocks(req, done)
 
-    def hand_off(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> KVHandoff:
+    def hand_off(self, req: Request, token: int, lp: TokenLogprob | None, now: float,
+                 slot: int | None = None) -> KVHandoff:
         """The first token is sampled: hold the request's blocks for the decode side and gather the
-        blocks not yet handed over with the first token (and the sampler's state) for the wire."""
+        blocks not yet handed over with the first token (and the sampler's state) for the wire.
+        ``slot``: a hybrid request's state slot, which holds the state after the whole prompt now
+        (the first token is not fed yet); it is copied out here, before the slot is freed."""
         n = req.num_prompt_tokens
         start = req.handoff_sent
-        rest = self._blocks(req, self.kv.num_blocks_for(n))
+        state_bytes = 0 if self.states is None else slot_nbytes(self.states)
+        rest = self._blocks(req, self.kv.num_blocks_for(n), state_bytes)
         gen_state = bytes(req.generator.get_state().numpy().tobytes()) if req.generator is not None else None
         first = FirstToken(token, lp.logprob if lp else None, list(lp.top) if lp else [], gen_state,
                            max(0, req.num_cached_tokens))
+        state = None
+        if self.states is not None:
+            if slot is None:
+                raise ValueError(f"hybrid handoff of {req.request_id!r} without its state slot")
+            # Into the tail of the part's staging buffer when there is one (recycled with it):
+            # a fresh 49 MiB buffer costs 5x the copy in page faults (docs/benchmarks.md).
+            tail = None if rest is None or rest.buffer is None else torch.from_numpy(rest.buffer[rest.nbytes:])
+            state = gather_state(self.states, slot, tail)
         self.held.hold(req.request_id, now + self.timeout_s)
         if rest is None:
-            return KVHandoff(req.request_id, start, [], None, first, n)
-        return dataclasses.replace(rest, first=first)
+            return KVHandoff(req.request_id, start, [], None, first, n, state=state)
+        return dataclasses.replace(rest, first=first, state=state)
 
     def track_saves(self, request_ids: Iterable[str], saved: Future) -> None:
         """These handed-off requests' blocks are being written through to the cache node: release
@@ -193,11 +213,13 @@ class PrefillRole:
     def timeouts(self) -> int:
         return self.held.timeouts
 
-    def _blocks(self, req: Request, end: int) -> KVHandoff | None:
-        """Prompt blocks ``[req.handoff_sent, end)`` gathered for the wire (None if there are none)."""
+    def _blocks(self, req: Request, end: int, tail_bytes: int = 0) -> KVHandoff | None:
+        """Prompt blocks ``[req.handoff_sent, end)`` gathered for the wire (None if there are none
+        and no ``tail_bytes``); a staging buffer has ``tail_bytes`` more after the blocks."""
         start = req.handoff_sent
-        if end <= start:
+        if end <= start and not tail_bytes:
             return None
+        end = max(end, start)
         n = req.num_prompt_tokens
         full = n // self.kv.block_size
         chain = self.kv.extend_chain(req.request_id, req.prompt_token_ids, min(full, end), req.kv_root)
@@ -206,9 +228,10 @@ class PrefillRole:
         buf = out = None
         if self.staging is not None:
             shape = block_shape(self.kv_cache)
-            buf = self.staging.take(len(ids) * self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size())
-            out = torch.from_numpy(buf).view(self.kv_cache.dtype).view(len(ids), *shape)
-        data = gather_blocks(self.kv_cache, ids, out)
+            kv_bytes = len(ids) * self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+            buf = self.staging.take(kv_bytes + tail_bytes)
+            out = torch.from_numpy(buf[:kv_bytes]).view(self.kv_cache.dtype).view(len(ids), *shape)
+        data = gather_blocks(self.kv_cache, ids, out) if ids else None
         req.handoff_sent = end
         return KVHandoff(req.request_id, start, hashes, data, None, n, buf,
                          self.staging.give if self.staging is not None else None)

@@ -67,6 +67,7 @@ class ServerApp:
                                     observe=self.metrics.observe_handoff, token=lambda: self.auth.internal_token())
         self.auth = auth or Credentials()
         self.metrics.transfer_auth_failures = lambda: self.disagg.auth_failures
+        self.metrics.transfer_header_mismatches = lambda: self.disagg.header_mismatches
         self.app = AuthGate(BodyLimit(self._build(), max_request_bytes,
                                       on_refused=lambda e: self.metrics.count_error(e.code)),
                             self.auth, on_refused=self.metrics.count_auth_refusal)

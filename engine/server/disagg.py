@@ -68,6 +68,11 @@ class DisaggServing:
         """Decode role: transfer connections closed for not proving the internal token."""
         return self.endpoint.server.auth_failures if self.endpoint is not None else 0
 
+    @property
+    def header_mismatches(self) -> int:
+        """Decode role: reservations refused for a KV or recurrent-state layout other than this engine's."""
+        return self.endpoint.handler.header_mismatches if self.endpoint is not None else 0
+
     # ---- lifecycle ------------------------------------------------------------------------------
     def on_loaded(self) -> None:
         engine = self.aengine.engine
@@ -78,12 +83,16 @@ class DisaggServing:
                                            token=self.token)
         elif self.role == "prefill":
             from kvmesh.engine.kv.gather import cache_layout
+            from kvmesh.engine.kv.slot_wire import slot_state_layout
             from kvmesh.engine.disagg.prefill_link import DecodeLinks
 
+            layout = cache_layout(engine.kv.extra, engine.runner.kv_cache)
+            states = engine.runner.states  # a hybrid model's: its state goes with the KV
+            state = None if states is None else slot_state_layout(layout, states, engine.model_config.linear_layers)
             # A connection attempt gets part of the transfer budget, so a dead peer is reported as
             # unreachable (not as a timeout) within it.
-            self.links = DecodeLinks(cache_layout(engine.kv.extra, engine.runner.kv_cache), self.transfer_timeout_s,
-                                     connect_timeout_s=min(5.0, self.transfer_timeout_s / 2), token=self.token)
+            self.links = DecodeLinks(layout, self.transfer_timeout_s, connect_timeout_s=min(5.0, self.transfer_timeout_s / 2),
+                                     token=self.token, state_layout=state)
 
     def close(self) -> None:
         if self.endpoint is not None:

@@ -105,6 +105,7 @@ class ServerMetrics:
                                        "Prefill role: time to push one request's KV and first token to its "
                                        "decode engine (after the prefill).", REQUEST_LATENCY_BUCKETS, lbl)
         self.transfer_auth_failures: Callable[[], int] = lambda: 0  # set by the server (its decode endpoint)
+        self.transfer_header_mismatches: Callable[[], int] = lambda: 0  # set by the server (its decode endpoint)
         self._auth_refused = counter(r, "kvmesh_auth_refused_total",
                                      "Requests refused for a missing or wrong credential, by the access their "
                                      "endpoint needs (client, internal) and the status sent (401, 403).",
@@ -207,6 +208,10 @@ class ServerMetrics:
             return
         yield counter_family("kvmesh_kv_transfer_auth_failures_total", "Decode role: KV transfer connections "
                              "closed for not proving the internal token.", self.transfer_auth_failures())
+        yield counter_family("kvmesh_kv_transfer_header_mismatches_total", "Decode role: KV transfer "
+                             "reservations refused because their KV or recurrent-state layout differs from this "
+                             "engine's (the prefill side falls back to another decode engine).",
+                             self.transfer_header_mismatches())
         if self._info.get("dtype"):
             yield gauge_family("kvmesh_engine_info", "1, labelled with the engine's compute dtype, how it was "
                                "chosen (flag or auto) and its device.", 1.0, self._info)

@@ -170,12 +170,14 @@ class AsyncKVClient:
 
     # ---- prefill -> decode handoff (docs/disagg.md) ------------------------------------------------
     async def reserve(self, transfer_id: str, layout: BlockLayout, prompt_token_ids: Sequence[int], max_tokens: int,
-                      timeout: float | None = None, root: bytes = ROOT_HASH) -> protocol.Reserved | protocol.ErrorReply:
-        """Ask a decode engine to reserve blocks; a refusal (no room, too large, header) is returned."""
+                      timeout: float | None = None, root: bytes = ROOT_HASH,
+                      state: BlockLayout | None = None) -> protocol.Reserved | protocol.ErrorReply:
+        """Ask a decode engine to reserve blocks; a refusal (no room, too large, header) is returned.
+        ``state``: a hybrid model's recurrent-state layout (the final push carries that state)."""
 
         async def run(ch: Channel) -> protocol.Reserved | protocol.ErrorReply:
             await ch.send(protocol.Reserve(transfer_id, layout, list(prompt_token_ids), max_tokens,
-                                           b"" if root == ROOT_HASH else root))
+                                           b"" if root == ROOT_HASH else root, state))
             reply = await ch.expect(protocol.Reserved)
             if isinstance(reply, protocol.ErrorReply) and reply.kind == protocol.ERR_INTERNAL:
                 raise_error_reply(reply)

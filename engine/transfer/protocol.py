@@ -7,8 +7,8 @@ One connection carries one request at a time. The exchanges (C: client, S: serve
     get     C: Get(layout, hashes)  S: GetReply(batch)   S: payload of each block in batch
     stats   C: Stats()          S: StatsReply(stats)
     reserve C: Reserve(id, layout, prompt, max_tokens)   S: Reserved(...) | ErrorReply(no_room|too_large)
-    push    C: PushKV(id, start, hashes, final, first)   S: PushReady()
-            C: payload of each block                     S: PushDone(num_blocks)
+    push    C: PushKV(id, start, hashes, final, first, state)   S: PushReady()
+            C: payload of each block (then the state's)         S: PushDone(num_payloads)
     cancel  C: Cancel(id)       S: Cancelled()
     lane    C: ShmOffer(name, nonce)   S: ShmAccept(name, nonce) | ShmDecline(reason)
 
@@ -131,6 +131,9 @@ class Reserve(Message, tag="reserve"):
     max_tokens: int
     chain_root: bytes = b""
     """The request's block chain root when it has a cache_salt (32 bytes); empty: ``ROOT_HASH``."""
+    state: BlockLayout | None = None
+    """Hybrid models: the layout (kind ``state``) of the recurrent state the final push carries;
+    the decode engine checks it against its own model at reservation, like ``layout``."""
 
 
 class Reserved(Message, tag="reserved"):
@@ -142,13 +145,16 @@ class Reserved(Message, tag="reserved"):
 
 class PushKV(Message, tag="push"):
     """Blocks ``[start, start + len(hashes))`` of the prompt; the tail block's hash is None when
-    partial. ``final`` closes the transfer and carries ``first``."""
+    partial. ``final`` closes the transfer and carries ``first``; with ``state`` (a hybrid model's
+    final push only) one more payload follows the blocks: the request's recurrent state at the
+    prompt's end, in the reservation's state layout. ``PushDone`` counts that payload too."""
 
     transfer_id: str
     start: int
     hashes: list[bytes | None]
     final: bool = False
     first: FirstToken | None = None
+    state: bool = False
 
 
 class PushReady(Message, tag="push_ready"):

@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.engine.config import ConfigError, EngineConfig
-from kvmesh.engine.engine import LLMEngine, UnsupportedForHybridError
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.llm import LLM
-from kvmesh.engine.roles import PrefillHandoff
 from kvmesh.engine.sampling import SamplingParams
 from tests.support.tiny_hybrid import hf_greedy, make_tiny_hybrid_model
 
@@ -113,13 +112,6 @@ def test_repeated_prompts_hit_only_with_checkpoints(model_dir, reference):
     again = on.generate(PROMPTS, _params())
     assert [r.num_cached_tokens for r in again] == [(len(p) - 1) // 16 * 16 for p in PROMPTS]
     _assert_parity(again, reference)
-
-
-def test_refuses_what_does_not_carry_state(model_dir):
-    """Prefill/decode handoffs would lose the recurrent state: refused with a reason."""
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64))
-    with pytest.raises(UnsupportedForHybridError, match="handoffs"):
-        engine.add_request("x", [5, 6, 7], _params(), handoff=PrefillHandoff())
 
 
 @pytest.mark.slow

@@ -387,3 +387,18 @@ def test_the_client_keys_secret_is_mounted_into_the_router_alone():
         assert all(v["name"] != "api-keys" for v in pod["volumes"])  # engines trust the router's token
     with pytest.raises(SpecError, match="isolateTenants needs spec.auth.apiKeysSecret"):
         r.render_all(make_cr(dict(MINIMAL_SPEC, auth={"isolateTenants": True})))
+
+
+def test_a_disaggregated_deployment_gives_both_pools_the_checkpoint_settings():
+    """P/D handoffs carry a hybrid model's recurrent state (docs/disagg.md), so a disaggregated
+    deployment of one renders like a colocated one: both engine pools get the CR's checkpoint
+    settings (the prefill pool's checkpoints give its repeated prompts their prefix hits)."""
+    cr = make_cr()
+    cr["spec"]["model"]["stateCheckpoints"] = {"intervalTokens": 256, "memory": "1Gi"}
+    assert cr["spec"]["prefill"]["replicas"] > 0
+    objs = r.render_all(cr)
+    for c in ("prefill", "decode"):
+        line = argv(objs, c)
+        assert line[line.index("--role") + 1] == c
+        assert line[line.index("--state-checkpoint-interval") + 1] == "256"
+        assert line[line.index("--state-checkpoint-bytes") + 1] == str(1 << 30)

@@ -35,7 +35,7 @@ def decode(d, tid: str, rid: str, prompt: list[int], params: SamplingParams, han
            cache_salt: str | None = None):
     d.decode.check_push(tid, handoff.start, handoff.hashes, True)
     d.idle_tick()
-    fut = d.decode.fill(tid, handoff.start, handoff.data, True, handoff.first)
+    fut = d.decode.fill(tid, handoff.start, handoff.data, True, handoff.first, handoff.state)
     d.idle_tick()
     fut.result(0)
     claimed: Future = Future()
