@@ -28,7 +28,7 @@ from kvmesh.engine.disagg.decode_side import DecodeRole, DecodeTransfers
 from kvmesh.engine.disagg.errors import HandoffError
 from kvmesh.engine.disagg.prefill_side import PrefillRole
 from kvmesh.engine.kv.gather import scatter_blocks
-from kvmesh.engine.kv.events import KVEvent, KVEventLog, checkpoint_removed, checkpoint_stored
+from kvmesh.engine.kv.events import TIER_CPU, KVEvent, KVEventLog, checkpoint_removed, checkpoint_stored
 from kvmesh.engine.kv.kv_manager import KVCacheManager
 from kvmesh.engine.kv.hybrid_state import HybridStateManager, StepStatePlan
 from kvmesh.engine.kv.slot_wire import scatter_state, slot_nbytes
@@ -231,6 +231,9 @@ class LLMEngine:
 
                     pool = self.runner.states
                     host_states = build_state_tier(cfg, pool.ckpt_conv, pool.ckpt_ssm)
+                    if host_states is not None:
+                        host_states.on_stored = self._on_host_checkpoints_stored
+                        host_states.on_removed = self._on_host_checkpoints_removed
                     enable_remote_states(self.tiers, self.model_config.linear_layers, pool.ckpt_conv, pool.ckpt_ssm)
             self.state_slots = HybridStateManager(cfg.max_num_seqs, cfg.block_size, ckpts,
                                                   cfg.state_checkpoint_interval, host=host_states)
@@ -272,6 +275,12 @@ class LLMEngine:
 
     def _on_checkpoint_evicted(self, entry: int, h: BlockHash) -> None:
         self.events.publish(checkpoint_removed([h]))
+
+    def _on_host_checkpoints_stored(self, hashes: list[BlockHash]) -> None:
+        self.events.publish(checkpoint_stored(hashes, self.config.block_size, TIER_CPU))
+
+    def _on_host_checkpoints_removed(self, hashes: list[BlockHash]) -> None:
+        self.events.publish(checkpoint_removed(hashes, TIER_CPU))
 
     def _on_evict(self, blocks: list) -> None:
         self._kv_evictions += len(blocks)

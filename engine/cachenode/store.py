@@ -20,8 +20,9 @@ Invariants (``check_integrity`` asserts them):
 
 Two kinds of entry share the budget and the LRU (``BlockLayout.kind``): KV blocks, keyed by
 their hash, and recurrent-state checkpoints of hybrid models, keyed by (``state``, hash) since a
-checkpoint carries the hash of the block it ends. ``lookup`` and events concern KV blocks only
-(checkpoint events are not published by the node); ``get`` with a state layout answers the
+checkpoint carries the hash of the block it ends. ``lookup`` concerns KV blocks only; checkpoints
+are announced in their own medium, ``state-remote`` (``kv.events.checkpoint_stored``), so an
+event consumer never takes one for a KV block; ``get`` with a state layout answers the
 *first* of the asked hashes it holds, one entry (the engine asks deepest boundary first: a
 restore needs one checkpoint, the latest).
 
@@ -40,7 +41,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from kvmesh.engine.block_hash import BlockHash
-from ..kv.events import TIER_REMOTE, BlockRemoved, BlockStored, KVEventHandler
+from ..kv.events import TIER_REMOTE, BlockRemoved, BlockStored, KVEventHandler, checkpoint_removed, checkpoint_stored
 from ..transfer.errors import HeaderMismatch
 from ..transfer.header import KIND_STATE, BlockBatch, BlockHeader, BlockLayout, check_batch, check_layout
 from ..transfer.protocol import EXISTS, NO_ROOM, STORED, TOO_LARGE
@@ -173,8 +174,10 @@ class BlockStore:
             self._used += data.nbytes
             self.stats.puts += 1
             self.stats.put_bytes += data.nbytes
-            if isinstance(key, bytes):  # a KV block (checkpoints are not announced here)
+            if isinstance(key, bytes):
                 self._emit(BlockStored([header.block_hash], header.parent_hash, [], layout.block_size, TIER_REMOTE))
+            else:
+                self._emit(checkpoint_stored([header.block_hash], layout.block_size, TIER_REMOTE))
             return STORED
 
     def abandon(self, block_hash: BlockHash, layout: BlockLayout | None = None) -> None:
@@ -266,14 +269,16 @@ class BlockStore:
     def _make_room(self, size: int) -> None:
         """Evict LRU blocks until ``size`` more stored bytes fit (``size <= capacity_bytes``)."""
         evicted: list[BlockHash] = []
+        states: list[BlockHash] = []
         while self._used + size > self.capacity_bytes:
             h, blk = self._blocks.popitem(last=False)
             self._used -= blk.data.nbytes
             self.stats.evictions += 1
-            if isinstance(h, bytes):  # KV blocks only are announced
-                evicted.append(h)
+            (evicted if isinstance(h, bytes) else states).append(blk.header.block_hash)
         if evicted:
             self._emit(BlockRemoved(evicted, TIER_REMOTE))
+        if states:
+            self._emit(checkpoint_removed(states, TIER_REMOTE))
 
     def _emit(self, event: BlockStored | BlockRemoved) -> None:
         if self._on_event is not None:

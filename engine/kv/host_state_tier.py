@@ -23,12 +23,17 @@ Invariants (``check_integrity``): every slot is in exactly one of ``_lru`` (held
 a hash is held at most once, and never both here and in the device index (the manager moves
 it: eviction down, promotion up, a device publish drops the host copy). Stored bytes never
 exceed the budget; a save that finds no slot is dropped and counted.
+
+``on_stored(hashes)`` / ``on_removed(hashes)``, when set, hear every hash entering or leaving the
+tier (a save; an LRU eviction, a promotion up or a discard), in the order the contents change:
+the engine turns them into ``state-cpu`` KV events, so the router knows which boundaries can be
+restored from host memory.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -60,6 +65,8 @@ class HostStateTier:
         self._stream = torch.cuda.Stream(device) if pin else None
         self._inflight: list[tuple[torch.cuda.Event, tuple[torch.Tensor, torch.Tensor]]] = []
         self.stats = TierStats()
+        self.on_stored: Callable[[list[BlockHash]], None] | None = None
+        self.on_removed: Callable[[list[BlockHash]], None] | None = None
 
     # ---- queries ------------------------------------------------------------------------------
     @property
@@ -97,6 +104,7 @@ class HostStateTier:
         self._quarantine.append(slot)
         self.stats.promotions += 1
         self.stats.hits += 1
+        self._removed([h])
 
     # ---- saves --------------------------------------------------------------------------------
     def save(self, entry: int, h: BlockHash) -> None:
@@ -112,24 +120,34 @@ class HostStateTier:
         self._saves[slot] = entry
         self._lru[h] = slot
         self.stats.stored += 1
+        if self.on_stored is not None:
+            self.on_stored([h])
 
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
         if not self._lru:
             return None
-        _, slot = self._lru.popitem(last=False)
+        victim, slot = self._lru.popitem(last=False)
         self.stats.evictions += 1
+        self._removed([victim])
         self._saves.pop(slot, None)  # saved and evicted before a flush: its copy is moot
         return slot
 
     def discard(self, hashes: Iterable[BlockHash]) -> None:
         """Drop hashes the device pool holds again (a checkpoint lives in one tier at a time)."""
+        dropped = []
         for h in hashes:
             slot = self._lru.pop(h, None)
             if slot is not None:
                 self._saves.pop(slot, None)
                 self._quarantine.append(slot)
+                dropped.append(h)
+        self._removed(dropped)
+
+    def _removed(self, hashes: list[BlockHash]) -> None:
+        if hashes and self.on_removed is not None:
+            self.on_removed(hashes)
 
     # ---- data movement ------------------------------------------------------------------------
     def flush(self, ckpt_conv: torch.Tensor, ckpt_ssm: torch.Tensor) -> None:

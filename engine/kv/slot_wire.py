@@ -22,25 +22,15 @@ from collections.abc import Sequence
 import torch
 
 from kvmesh.engine.model.recurrent_state import StatePool
-from kvmesh.engine.transfer.header import BlockLayout, StateBufferSpec, state_layout
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def state_specs(pool: StatePool, linear_layers: Sequence[int]) -> list[StateBufferSpec]:
-    """The named buffers of one slot, in wire order (all conv states, then all recurrent states)."""
-    if len(linear_layers) != pool.conv.shape[0]:
-        raise ValueError(f"{len(linear_layers)} DeltaNet layer indices for a pool of {pool.conv.shape[0]} layers")
-    conv, ssm = tuple(pool.conv.shape[2:]), tuple(pool.ssm.shape[2:])
-    return ([StateBufferSpec(f"conv.{i}", _dtype_name(pool.conv.dtype), conv) for i in linear_layers]
-            + [StateBufferSpec(f"ssm.{i}", _dtype_name(pool.ssm.dtype), ssm) for i in linear_layers])
+from kvmesh.engine.kv.state_wire import StateGeometry, checkpoint_layout
+from kvmesh.engine.transfer.header import BlockLayout
 
 
 def slot_state_layout(kv: BlockLayout, pool: StatePool, linear_layers: Sequence[int]) -> BlockLayout:
-    """The state layout a hybrid engine sends (prefill) or accepts (decode) beside its KV layout ``kv``."""
-    return state_layout(kv, state_specs(pool, linear_layers))
+    """The state layout a hybrid engine sends (prefill) or accepts (decode) beside its KV layout
+    ``kv``: the checkpoint layout (``state_wire.checkpoint_layout``), since a slot and a checkpoint
+    hold the same tensors."""
+    return checkpoint_layout(kv, linear_layers, StateGeometry.of(pool.conv, pool.ssm))
 
 
 def _split(pool: StatePool) -> tuple[int, int]:

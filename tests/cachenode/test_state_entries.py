@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvmesh.engine.cachenode.store import BlockStore
-from kvmesh.engine.kv.events import BlockRemoved, BlockStored
+from kvmesh.engine.kv.events import BlockRemoved, BlockStored, apply_event
 from kvmesh.engine.transfer.errors import HeaderMismatch
 from kvmesh.engine.transfer.header import (KIND_STATE, BlockHeader, BufferSpec, StateBufferSpec, check_layout,
                                            state_layout, validate_layout)
@@ -70,7 +70,8 @@ def test_store_keeps_blocks_and_checkpoints_of_one_hash_apart():
     assert [g.header.block_hash for g in got] == [hashes[1]] and np.array_equal(got[0].data, ck)
     assert s.get(ST, [hashes[2], hashes[0]]) == []
     assert len(s.get(KV, hashes)) == 3  # the KV blocks are untouched by the checkpoint
-    assert len(events) == 3  # the three KV blocks; the checkpoint is not announced as a block
+    # The three KV blocks in the remote tier, the checkpoint in a medium of its own.
+    assert [(e.tier, e.block_hashes) for e in events] == [("remote", [h]) for h in hashes] + [("state-remote", [hashes[1]])]
     s.check_integrity()
 
 
@@ -88,7 +89,7 @@ def test_store_refuses_a_checkpoint_of_another_layout():
     s.check_integrity()
 
 
-def test_eviction_spans_both_kinds_and_announces_blocks_only():
+def test_eviction_spans_both_kinds_and_each_is_announced_in_its_medium():
     events = []
     s = BlockStore(KV.nbytes * 2 + ST.nbytes, on_event=events.append)
     blks, _ = blocks(KV, 3)
@@ -96,8 +97,14 @@ def test_eviction_spans_both_kinds_and_announces_blocks_only():
     for b in blks:
         s.put(b.header, b.data)
     assert s.used_bytes <= s.capacity_bytes and s.stats.evictions >= 1
-    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
-    assert all(isinstance(h, bytes) for h in removed)
-    stored = [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
+    held: dict[str, set[bytes]] = {}
+    for e in events:
+        apply_event(held, e)
+    # Replaying the node's events gives exactly what it holds, per kind.
+    assert held.get("remote", set()) == {h for h in s.lru_order() if isinstance(h, bytes)}
+    assert held.get("state-remote", set()) == {h[1] for h in s.lru_order() if isinstance(h, tuple)}
+    removed = [h for e in events if isinstance(e, BlockRemoved) and e.tier == "state-remote" for h in e.block_hashes]
+    assert removed == [blks[0].header.block_hash]  # the checkpoint was the LRU entry
+    stored = [h for e in events if isinstance(e, BlockStored) and e.tier == "remote" for h in e.block_hashes]
     assert stored == [b.header.block_hash for b in blks]
     s.check_integrity()

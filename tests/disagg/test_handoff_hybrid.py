@@ -23,7 +23,7 @@ import torch
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.disagg.decode_link import DecodeEndpoint
-from kvmesh.engine.disagg.prefill_link import DecodeLinks, Refused
+from kvmesh.engine.disagg.prefill_link import DecodeLinks
 from kvmesh.engine.disagg.errors import TransferMismatch
 from kvmesh.engine.disagg.prefill_side import DECODE
 from kvmesh.engine.engine import LLMEngine

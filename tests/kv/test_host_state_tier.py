@@ -100,3 +100,46 @@ def test_recomputed_checkpoint_drops_the_host_copy():
 def test_needs_a_slot():
     with pytest.raises(ValueError, match="cpu-state-bytes"):
         HostStateTier(0, CONV, torch.bfloat16, SSM, torch.device("cpu"))
+
+
+def test_checkpoint_events_of_both_media_mirror_what_each_holds_and_predict_the_hit():
+    """What the engine announces (``state-gpu`` from the device index, ``state-cpu`` from the host
+    tier), replayed as the router replays it, equals each tier's contents after saves, LRU
+    evictions, a promotion, a cancelled one and a recapture; and the router's rule over those
+    sets (``restorable_blocks`` over every state medium) gives the manager's own hit."""
+    from kvmesh.engine.kv.events import TIER_CPU, apply_event, checkpoint_removed, checkpoint_stored
+    from kvmesh.engine.kv.state_checkpoints import restorable_blocks
+
+    seen: dict[str, set[bytes]] = {}
+    ck = CheckpointIndex(N, on_publish=lambda h: apply_event(seen, checkpoint_stored([h], 16)),
+                         on_evict=lambda e, h: apply_event(seen, checkpoint_removed([h])))
+    host = HostStateTier(2, CONV, torch.bfloat16, SSM, torch.device("cpu"))
+    host.on_stored = lambda hs: apply_event(seen, checkpoint_stored(hs, 16, TIER_CPU))
+    host.on_removed = lambda hs: apply_event(seen, checkpoint_removed(hs, TIER_CPU))
+    m = HybridStateManager(4, 16, ck, host=host)
+    conv, ssm = _pool()
+
+    def mirrored() -> None:
+        assert seen.get("state-gpu", set()) == ck.hashes() and seen.get("state-cpu", set()) == host.hashes()
+        assert "gpu" not in seen and "cpu" not in seen  # KV media untouched by checkpoint events
+
+    for i in range(5):  # device keeps 3, 4; host keeps 1, 2 (0 fell off its LRU)
+        _publish(m, conv, ssm, _h(i), float(i + 1))
+        mirrored()
+    assert ck.hashes() == {_h(3), _h(4)} and host.hashes() == {_h(1), _h(2)}
+    chain = [_h(i) for i in range(5)]
+    ckpts = lambda h: any(h in s for k, s in seen.items() if k.startswith("state-"))  # noqa: E731
+    for n in range(6):
+        predicted = restorable_blocks(chain, n, ckpts)
+        blocks, entry = m.hit(chain, n)
+        assert blocks == predicted, n
+        m.cancel(entry)  # a host hit reserved both ends: give them back
+        mirrored()
+    blocks, entry = m.hit([_h(9), _h(1)], 2)  # promote 1 from the host
+    m.allocate("r", entry)
+    m.flush(conv, ssm)
+    mirrored()
+    _publish(m, conv, ssm, _h(2), 3.0)  # recaptured on the device: the host copy goes
+    mirrored()
+    assert _h(2) not in host.hashes()
+    m.check_integrity()

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.engine.kv.slot_wire import gather_state, slot_state_layout, scatter_state, slot_nbytes, state_specs
+from kvmesh.engine.kv.slot_wire import gather_state, scatter_state, slot_nbytes, slot_state_layout
+from kvmesh.engine.kv.state_wire import gather_entries
 from kvmesh.engine.model.config import ModelConfig
 from kvmesh.engine.model.recurrent_state import StatePool
 from kvmesh.engine.transfer.header import KIND_STATE, kv_layout, validate_layout
@@ -28,7 +29,7 @@ def test_a_slot_round_trips_through_its_wire_bytes(dtype):
     # cannot be viewed in place and takes the copying path.
     cfg = _config(linear_conv_kernel_dim=2, linear_num_key_heads=1, linear_num_value_heads=3,
                   linear_key_head_dim=15, linear_value_head_dim=15)  # conv_dim 75: 450 bf16 bytes
-    src = StatePool(cfg, 3, dtype, torch.device("cpu"))
+    src = StatePool(cfg, 3, dtype, torch.device("cpu"), num_checkpoints=2)
     src.conv.copy_(torch.randn(src.conv.shape))
     src.ssm.copy_(torch.randn(src.ssm.shape))
     layout = slot_state_layout(kv_layout(b"m", "float32", 16, 1, 2, 32), src, cfg.linear_layers)
@@ -43,6 +44,10 @@ def test_a_slot_round_trips_through_its_wire_bytes(dtype):
     scatter_state(dst, 0, flat)
     assert torch.equal(dst.conv[:, 0], src.conv[:, 1]) and torch.equal(dst.ssm[:, 0], src.ssm[:, 1])
     assert not dst.conv[:, 1].any() and not dst.ssm[:, 1].any()  # the other slot untouched
+    # A slot on the wire is byte for byte a checkpoint of it (the cache node's payload).
+    src.ckpt_conv[:, 1].copy_(src.conv[:, 1])
+    src.ckpt_ssm[:, 1].copy_(src.ssm[:, 1])
+    assert bytes(gather_entries(src.ckpt_conv, src.ckpt_ssm, [1])[0]) == bytes(flat.numpy())
 
 
 def test_a_payload_of_another_size_is_refused():
@@ -50,5 +55,5 @@ def test_a_payload_of_another_size_is_refused():
     pool = StatePool(cfg, 1, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="flat bytes"):
         scatter_state(pool, 0, torch.zeros(slot_nbytes(pool) - 4, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="DeltaNet layer indices"):
-        state_specs(pool, cfg.linear_layers[:-1])
+    with pytest.raises(ValueError, match="DeltaNet layer ids"):
+        slot_state_layout(kv_layout(b"m", "float32", 16, 1, 2, 32), pool, cfg.linear_layers[:-1])
