@@ -14,7 +14,7 @@ The model is a random Qwen3_5ForCausalLM built by transformers at start (random 
 the same as trained ones). Usage:
 
     .venv/bin/python bench/hybrid.py [--rounds 3] [--prompts 8] [--prompt-len 256] [--out-len 32]
-        [--reload-len 1024] [--only reload]
+        [--reload-len 1024] [--only zero-hit|reload]
 """
 
 from __future__ import annotations
@@ -91,18 +91,123 @@ def timed_forward(eng) -> list[float]:
     return times
 
 
+_STATE_CALLS = ("hit", "cancel", "allocate", "free", "plan", "commit", "abort", "flush", "take_published")
+
+
+class StateWork:
+    """The checkpoint work inside an engine's steps, timed where it runs so the load on the machine
+    cannot hide it the way it hides a 2% difference of end-to-end runs: the state manager's
+    bookkeeping (every call, timed), and the state copies a capture makes inside the forward (the
+    captures are counted from each step's plan and priced by timing the same copies on the
+    engine's own pool, ``copy_s``). Step time is the engine's ``step`` wall time."""
+
+    def __init__(self, eng) -> None:
+        self.bookkeeping_s = self.step_s = 0.0
+        self.end_captures = self.inner_captures = self.steps = 0
+        mgr = eng.state_slots
+        for name in _STATE_CALLS:
+            setattr(mgr, name, self._timed(getattr(mgr, name), name == "plan"))
+        step = eng.step
+
+        def timed_step():
+            t0 = time.perf_counter()
+            try:
+                return step()
+            finally:
+                self.step_s += time.perf_counter() - t0
+                self.steps += 1
+
+        eng.step = timed_step
+        self.copy_s = self._copy_cost(eng.runner.states)
+        self.inner_s = self.copy_s  # plus the scan's share: set by the caller (scan_capture_cost)
+
+    def _timed(self, fn, counts_captures: bool):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            self.bookkeeping_s += time.perf_counter() - t0
+            if counts_captures:
+                for seq, caps in zip(a[0], out.captures):  # seq: (id, tokens, root, prompt len, start, n)
+                    ends = sum(1 for c, _ in caps if c == seq[5])
+                    self.end_captures += ends
+                    self.inner_captures += len(caps) - ends
+            return out
+        return timed
+
+    @staticmethod
+    def _copy_cost(pool, reps: int = 200) -> float:
+        """Seconds for one end-of-chunk capture: every linear layer's conv and ssm state of a slot
+        copied into a checkpoint entry, as the forward does it (median of ``reps``)."""
+        if pool.ckpt_conv.shape[1] == 0:
+            return 0.0
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for layer in range(pool.conv.shape[0]):
+                pool.ckpt_conv[layer, 0] = pool.conv[layer, 0]
+                pool.ckpt_ssm[layer, 0] = pool.ssm[layer, 0]
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    @staticmethod
+    def scan_capture_cost(eng, batch: int, tokens: int, reps: int = 30) -> float:
+        """Seconds a capture inside a prefill chunk adds to the scan, over every linear layer
+        (timed on a ``batch`` x ``tokens`` call of the engine's kernel, one capture per sequence)."""
+        from kvmesh.engine.kernels.gated_delta import gated_delta_kernels
+
+        chunked = gated_delta_kernels("torch").chunked
+        layers, _, h, dk, dv = eng.runner.states.ssm.shape
+        gen = torch.Generator().manual_seed(1)
+        q, k = (torch.nn.functional.normalize(torch.randn(batch, h, tokens, dk, generator=gen), dim=-1)
+                for _ in range(2))
+        v = torch.randn(batch, h, tokens, dv, generator=gen)
+        g = -torch.rand(batch, h, tokens, generator=gen)
+        beta = torch.rand(batch, h, tokens, generator=gen)
+        state = torch.zeros(batch, h, dk, dv)
+        caps = [(b, tokens - 16) for b in range(batch)]
+
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(reps):  # interleaved, so load drifts hit both alike
+            for with_caps in (False, True):
+                t0 = time.perf_counter()
+                chunked(q, k, v, g, beta, state, capture=caps if with_caps else None)
+                times[with_caps].append(time.perf_counter() - t0)
+        # The least disturbed call of each.
+        extra = max(0.0, min(times[True]) - min(times[False])) / batch
+        return layers * extra
+
+    def reset(self) -> None:
+        self.bookkeeping_s = self.step_s = 0.0
+        self.end_captures = self.inner_captures = self.steps = 0
+
+    def share(self) -> dict[str, float]:
+        captures_s = self.end_captures * self.copy_s + self.inner_captures * self.inner_s
+        return {"steps": self.steps, "step_ms": 1e3 * self.step_s / max(self.steps, 1),
+                "bookkeeping_us": 1e6 * self.bookkeeping_s / max(self.steps, 1),
+                "end_captures": self.end_captures, "inner_captures": self.inner_captures,
+                "copy_us": 1e6 * self.copy_s, "inner_us": 1e6 * self.inner_s,
+                "share": (self.bookkeeping_s + captures_s) / self.step_s if self.step_s else 0.0}
+
+
 def zero_hit(model_dir: Path, rounds: int, n: int, plen: int, olen: int) -> dict[str, dict[str, float]]:
     from kvmesh.engine.llm import LLM
     from kvmesh.engine.sampling import SamplingParams
 
     engines = {name: engine(model_dir, **cfg) for name, cfg in SETTINGS.items()}
     steps = {name: timed_forward(e) for name, e in engines.items()}
+    work = {name: StateWork(e) for name, e in engines.items()}
+    scan_s = StateWork.scan_capture_cost(engines["off"], n, plen)
+    for w in work.values():
+        w.inner_s = w.copy_s + scan_s
     params = SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(123)
     tput: dict[str, list[float]] = {name: [] for name in SETTINGS}
     prefill_ms: dict[str, list[float]] = {name: [] for name in SETTINGS}
     decode_ms: dict[str, list[float]] = {name: [] for name in SETTINGS}
     for r in range(rounds + 1):  # round 0 warms up
+        if r == 1:
+            for w in work.values():
+                w.reset()
         # New unique prompts every round (and the same ones for every setting): zero hits.
         prompts = [torch.randint(3, MODEL["vocab_size"], (plen,), generator=gen).tolist() for _ in range(n)]
         order = list(SETTINGS) if r % 2 == 0 else list(reversed(SETTINGS))
@@ -123,7 +228,7 @@ def zero_hit(model_dir: Path, rounds: int, n: int, plen: int, olen: int) -> dict
         out[name] = {"tok_s": statistics.median(tput[name]), "prefill_ms": min(prefill_ms[name]),
                      "decode_ms": min(decode_ms[name]),
                      "checkpoints_saved": st.state_checkpoints.saves if st.state_checkpoints else 0,
-                     "prefix_hits": st.prefix_hits}
+                     "prefix_hits": st.prefix_hits, **work[name].share()}
     return out
 
 
@@ -251,7 +356,7 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=32)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--reload-len", type=int, default=1024)
-    ap.add_argument("--only", choices=("reload",), help="run only part (c)")
+    ap.add_argument("--only", choices=("zero-hit", "reload"), help="run only part (a) or part (c)")
     args = ap.parse_args()
     print("CPU:", cpu_name(), "| torch threads:", torch.get_num_threads())
     with tempfile.TemporaryDirectory() as tmp:
@@ -271,6 +376,15 @@ def main() -> None:
             print(f"{name:<12} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:7.3f} {r['prefill_ms']:10.1f} "
                   f"{r['prefill_ms'] / base['prefill_ms']:7.3f} {r['decode_ms']:9.2f} "
                   f"{r['decode_ms'] / base['decode_ms']:7.3f} {r['checkpoints_saved']:6d}")
+        print("\nstep-time share of the state work (timed in the steps themselves; captures priced by "
+              "timing the same copies)")
+        print(f"{'setting':<12} {'steps':>6} {'step ms':>8} {'state calls us/step':>19} {'end captures':>12} "
+              f"{'copy us':>8} {'inner captures':>14} {'inner us':>8} {'share %':>8}")
+        for name, r in res.items():
+            print(f"{name:<12} {r['steps']:6d} {r['step_ms']:8.2f} {r['bookkeeping_us']:19.1f} "
+                  f"{r['end_captures']:12d} {r['copy_us']:8.1f} {r['inner_captures']:14d} {r['inner_us']:8.1f} {100 * r['share']:8.3f}")
+        if args.only == "zero-hit":
+            return
         mt = multi_turn(model_dir, args.turns, args.prompt_len, 16, args.out_len)
         print(f"\n(b) multi-turn: first prompt {args.prompt_len} tokens, +{args.out_len} out +16 new per turn")
         print(f"{'turn':<5} {'prompt':>7} | {'off: TTFT ms':>12} {'computed':>9} | {'default: TTFT ms':>16} {'computed':>9}")

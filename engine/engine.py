@@ -123,6 +123,8 @@ class EngineStats:
     kv_transfer_timeouts: int = 0
     # Hybrid models: the recurrent-state checkpoint pool (None without one).
     state_checkpoints: CheckpointStats | None = None
+    # ... and every medium holding its checkpoints (gpu, cpu, remote), counted in checkpoints.
+    state_tiers: tuple[TierSnapshot, ...] = ()
 
 
 def _pick_backend(cfg: EngineConfig, device: torch.device) -> str:
@@ -656,4 +658,6 @@ class LLMEngine:
             kv_handoffs_held=len(self.prefill),
             kv_transfer_timeouts=self.decode.timeouts + self.prefill.timeouts,
             state_checkpoints=self.state_slots.stats() if self.state_slots is not None else None,
+            state_tiers=tuple(self.state_slots.snapshots(self.tiers.remote if self.tiers is not None else None))
+            if self.state_slots is not None else (),
         )

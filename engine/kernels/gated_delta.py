@@ -134,13 +134,21 @@ def _capture(points: list[tuple[int, int, int]], s: torch.Tensor, cum: torch.Ten
     """States after m tokens of one chunk, for (output row, sequence, m) ``points``, all at once:
     ``S_m = exp(cum_{m-1}) S_0 + sum_{j < m} exp(cum_{m-1} - cum_j) k_j v_new_j^T``.
     s [B, H, Dk, Dv] at the chunk's start; cum [B, H, C]; k [B, H, C, Dk]; v_new [B, H, C, Dv]."""
-    rows = torch.tensor([p[0] for p in points], device=s.device)
-    seqs = torch.tensor([p[1] for p in points], device=s.device)
+    rows = _index_or_slice([p[0] for p in points], s.device)
+    seqs = _index_or_slice([p[1] for p in points], s.device)
     m = torch.tensor([p[2] for p in points], device=s.device)
     c = cum[seqs]  # [N, H, C]
     c_end = c.gather(-1, (m - 1).view(-1, 1, 1).expand(-1, c.shape[1], 1))  # [N, H, 1]
     keep = (c_end - c).masked_fill((pos[None, :] >= m[:, None])[:, None, :], float("-inf")).exp()
     captured[rows] = s[seqs] * c_end.exp().unsqueeze(-1) + (k[seqs] * keep.unsqueeze(-1)).transpose(-1, -2) @ v_new[seqs]
+
+
+def _index_or_slice(ids: list[int], device: torch.device) -> slice | torch.Tensor:
+    """A run of consecutive ids as a slice (a view: no gather copy, the common case of one capture
+    per sequence), anything else as an index tensor."""
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return slice(ids[0], ids[0] + len(ids))
+    return torch.tensor(ids, device=device)
 
 
 @dataclass(frozen=True)

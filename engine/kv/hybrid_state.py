@@ -30,10 +30,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.engine.block_hash import BlockHash
+from kvmesh.engine.kv.events import TIER_CPU, TIER_GPU, TIER_REMOTE
 from kvmesh.engine.kv.host_state_tier import HostStateTier
+from kvmesh.engine.kv.host_tier import TierStats
+from kvmesh.engine.kv.remote_tier import RemoteTier
 from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, CheckpointStats, capture_points, restorable_blocks
 from kvmesh.engine.kv.state_wire import FetchedState
 from kvmesh.engine.kv.state_slots import StateSlots
+from kvmesh.engine.kv.tiers import TierSnapshot
 
 # (request id, all tokens, root, number of blocks) -> the request's first chain hashes
 ChainFn = Callable[[str, Sequence[int], bytes, int], list[BlockHash]]
@@ -265,6 +269,26 @@ class HybridStateManager:
 
     def stats(self) -> CheckpointStats | None:
         return self.checkpoints.snapshot() if self.checkpoints is not None else None
+
+    def snapshots(self, remote: RemoteTier | None = None) -> list[TierSnapshot]:
+        """The checkpoint media as the metrics report them, in entries (``capacity_blocks`` counts
+        checkpoints, ``block_bytes`` is one checkpoint's size): the device pool (gpu: ``promotions``
+        are restores into a request's slot, ``dropped`` captures skipped for want of an entry), the
+        host tier (cpu) and the cache node (remote, whose capacity its own metrics report)."""
+        s = self.stats()
+        if s is None:
+            return []
+        out = [TierSnapshot(TIER_GPU, s.capacity, s.published, s.entry_bytes,
+                            TierStats(hits=s.restores, promotions=s.restores, stored=s.saves,
+                                      evictions=s.evictions, dropped=s.reserve_failures))]
+        if self.host is not None:
+            h = self.host
+            out.append(TierSnapshot(TIER_CPU, h.num_slots, h.used, h.entry_bytes, TierStats(**h.stats.as_dict())))
+        if remote is not None and remote.state_layout is not None:
+            st = remote.snapshot_state_stats()
+            st.promotions = self.remote_promotions  # fetched checkpoints that a hit resumed from
+            out.append(TierSnapshot(TIER_REMOTE, 0, 0, remote.state_layout.nbytes, st))
+        return out
 
     def check_integrity(self) -> None:
         self.slots.check_integrity()

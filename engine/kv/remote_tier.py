@@ -321,3 +321,7 @@ class RemoteTier:
     def snapshot_stats(self) -> TierStats:
         with self._lock:
             return TierStats(**self.stats.as_dict())
+
+    def snapshot_state_stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(**self.state_stats.as_dict())

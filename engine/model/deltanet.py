@@ -65,10 +65,10 @@ def deltanet_mix(x: torch.Tensor, w: DeltaNetWeights, spec: LinearAttnSpec, laye
         n, slot = batch.query_lens[i], batch.slots[i]
         prev = conv_state[slot] if batch.has_initial[i] else torch.zeros_like(conv_state[slot])
         inner = [(c, e) for c, e in batch.captures[i] if c < n]
-        if inner:  # conv state after c of this step's inputs: the K-1 inputs before token c
-            hist = torch.cat([prev, mixed[start:start + n].t()], dim=1)
-            for c, e in inner:
-                pool.ckpt_conv[layer, e] = hist[:, c:c + kw - 1]
+        for c, e in inner:  # conv state after c of this step's inputs: the K-1 inputs before token c
+            lo = c - (kw - 1)  # only that window is copied, never the chunk's whole input
+            window = mixed[start + max(lo, 0):start + c].t()
+            pool.ckpt_conv[layer, e] = window if lo >= 0 else torch.cat([prev[:, lo:], window], dim=1)
         conv_out[start:start + n], conv_state[slot] = kernels.conv_prefill(mixed[start:start + n], w.conv, prev)
         start += n
 

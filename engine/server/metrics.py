@@ -30,6 +30,7 @@ from kvmesh.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:  # the engine module pulls in torch; only its dataclass is needed here
     from kvmesh.engine.engine import EngineStats
+    from kvmesh.engine.kv.tiers import TierSnapshot
 from kvmesh.engine.util.metrics import (
     EVENT_LOOP_LAG_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
@@ -55,6 +56,31 @@ _TIER_FAMILIES = {  # kvmesh_kv_tier_<name>: (kind, help)
     "dropped_saves": ("counter", "Blocks not saved into the tier (no room, busy or unreachable node)."),
     "failures": ("counter", "Tier transfers that failed (timeout, dead node, header mismatch): recomputed."),
 }
+# kvmesh_state_checkpoint_<name>: a hybrid model's recurrent-state checkpoints per medium, in
+# checkpoints (fixed size each: capacity_bytes / capacity_entries). Rows come from the same
+# snapshots as the KV tiers', renamed by _STATE_NAMES.
+_STATE_FAMILIES = {
+    "capacity_entries": ("gauge", "Checkpoints the medium can hold (remote: 0, see the cache node's metrics)."),
+    "used_entries": ("gauge", "Checkpoints the medium holds (gpu: published, reusable by a prefix hit)."),
+    "capacity_bytes": ("gauge", "Checkpoint bytes the medium can hold."),
+    "used_bytes": ("gauge", "Checkpoint bytes the medium holds."),
+    "stored": ("counter", "Checkpoints written into the medium (gpu: captured at block boundaries)."),
+    "evictions": ("counter", "Checkpoints dropped from the medium to make room (gpu: moved to the host "
+                             "tier when there is one)."),
+    "restores": ("counter", "Prefix hits served from the medium (gpu: restored into a request's state slot; "
+                            "cpu, remote: promoted into the device pool)."),
+    "dropped_saves": ("counter", "Checkpoints not saved into the medium (no free entry, busy or unreachable node)."),
+    "failures": ("counter", "Checkpoint transfers that failed (timeout, dead node, layout mismatch): recomputed."),
+}
+_STATE_NAMES = {"capacity_blocks": "capacity_entries", "used_blocks": "used_entries", "promotions": "restores"}
+
+
+def _tier_row(t: "TierSnapshot") -> dict[str, int]:
+    st = t.stats
+    return {"capacity_blocks": t.capacity_blocks, "used_blocks": t.used_blocks,
+            "capacity_bytes": t.capacity_blocks * t.block_bytes, "used_bytes": t.used_blocks * t.block_bytes,
+            "evictions": st.evictions, "promotions": st.promotions, "stored": st.stored,
+            "dropped_saves": st.dropped, "failures": st.failures}
 
 
 class ServerMetrics:
@@ -172,10 +198,11 @@ class ServerMetrics:
 
     # ---- scrape-time families ---------------------------------------------------
     def _tier_families(self, s: "EngineStats") -> Iterator[Metric]:
-        """kvmesh_kv_tier_* per KV tier: the primary pool (gpu) and the tiers below it (cpu, remote).
+        """kvmesh_kv_tier_* per KV tier: the primary pool (gpu) and the tiers below it (cpu, remote);
+        kvmesh_state_checkpoint_* per medium holding a hybrid model's checkpoints (gpu, cpu, remote).
 
         The remote tier's capacity lives on the cache node (its kvmesh_cachenode_* metrics), so the
-        engine reports 0 there. Queries and hits of lower tiers are rows of
+        engine reports 0 there. Queries and hits of lower KV tiers are rows of
         kvmesh_prefix_cache_{queries,hits}_total (see _engine_families).
         """
         block_bytes = getattr(s, "kv_block_bytes", 0)
@@ -183,16 +210,18 @@ class ServerMetrics:
         rows = {TIER_GPU: {"capacity_blocks": s.num_kv_blocks, "used_blocks": used,
                            "capacity_bytes": s.num_kv_blocks * block_bytes, "used_bytes": used * block_bytes,
                            "evictions": getattr(s, "kv_evictions", 0)}}
-        for t in getattr(s, "tiers", ()):
-            st = t.stats
-            rows[t.tier] = {"capacity_blocks": t.capacity_blocks, "used_blocks": t.used_blocks,
-                            "capacity_bytes": t.capacity_blocks * t.block_bytes,
-                            "used_bytes": t.used_blocks * t.block_bytes, "evictions": st.evictions,
-                            "promotions": st.promotions, "stored": st.stored, "dropped_saves": st.dropped,
-                            "failures": st.failures}
-        for name, (kind, doc) in _TIER_FAMILIES.items():
+        rows.update((t.tier, _tier_row(t)) for t in getattr(s, "tiers", ()))
+        yield from self._per_tier("kvmesh_kv_tier_", _TIER_FAMILIES, rows)
+        states = {t.tier: _tier_row(t) for t in getattr(s, "state_tiers", ())}
+        if states:
+            renamed = {tier: {_STATE_NAMES.get(k, k): v for k, v in row.items()} for tier, row in states.items()}
+            yield from self._per_tier("kvmesh_state_checkpoint_", _STATE_FAMILIES, renamed)
+
+    def _per_tier(self, prefix: str, families: dict[str, tuple[str, str]],
+                  rows: dict[str, dict[str, int]]) -> Iterator[Metric]:
+        for name, (kind, doc) in families.items():
             cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            fam = cls(f"kvmesh_kv_tier_{name}", doc, labels=["model_name", "tier"])
+            fam = cls(f"{prefix}{name}", doc, labels=["model_name", "tier"])
             for tier, values in rows.items():
                 if name in values:
                     fam.add_metric([self.model_name, tier], float(values[name]))

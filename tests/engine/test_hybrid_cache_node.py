@@ -93,6 +93,8 @@ def test_second_engine_reloads_kv_and_checkpoint(model_dir, node, turns):
     assert rt.state_stats.hits == 1 and rt.state_stats.failures == 0
     assert reader.state_slots.remote_promotions == 1 and rt.snapshot_stats().promotions == 6
     assert reader.stats().state_checkpoints.restores == 1
+    node_row = reader.stats().state_tiers[-1]  # as the metrics report it
+    assert (node_row.tier, node_row.stats.promotions, node_row.stats.hits) == ("remote", 1, 1)
     # The promoted prefix is local now: the same prompt again hits on the device.
     again = LLM(engine=reader).generate([second_prompt], _params(TURN2))[0]
     assert again.token_ids == second and again.num_cached_tokens >= 96

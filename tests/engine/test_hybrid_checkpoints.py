@@ -65,6 +65,8 @@ def _computed_per_request(engine: LLMEngine) -> dict[str, int]:
     {},  # default interval: checkpoints at the prompt's end and the generation's end only
     {"state_checkpoint_interval": 16},  # every block
     {"max_num_batched_tokens": 23, "state_checkpoint_interval": 32},  # captures inside chunks
+    # captures 1, 2 and 3 tokens into a chunk: the conv state there reaches back into the chunk before
+    {"max_num_batched_tokens": 31, "state_checkpoint_interval": 32},
 ])
 def test_second_turn_computes_only_the_suffix(model_dir, turns, cfg):
     """Turn 2 = turn 1's prompt + its output + a suffix: it resumes from turn 1's last checkpoint

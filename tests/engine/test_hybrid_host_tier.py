@@ -81,6 +81,10 @@ def test_turn_two_reloads_kv_and_checkpoint_from_host(model_dir, per, turns):
     kv_host = engine.stats().tiers[0]
     assert kv_host.tier == "cpu" and kv_host.stats.promotions > 0
     assert engine.stats().state_checkpoints.restores == 1
+    gpu, cpu = engine.stats().state_tiers  # the media as the metrics report them
+    assert (gpu.tier, gpu.stats.promotions, gpu.capacity_blocks, gpu.block_bytes) == ("gpu", 1, 2, per)
+    assert (cpu.tier, cpu.stats.promotions, cpu.capacity_blocks, cpu.block_bytes) == ("cpu", 1, 16, per)
+    assert cpu.stats.stored == host_states.stats.stored and cpu.used_blocks == host_states.used
     engine.check_integrity()
 
 

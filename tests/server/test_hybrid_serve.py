@@ -27,17 +27,23 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(model_dir):
-    server = ServerProcess("--model", str(model_dir), "--served-model-name", "tiny-hybrid", *FLAGS).start()
+def server(model_dir):
+    proc = ServerProcess("--model", str(model_dir), "--served-model-name", "tiny-hybrid", *FLAGS).start()
     try:
-        yield openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=300)
+        yield proc
     finally:
-        server.stop()
+        proc.stop()
 
 
-def test_chat_turns_match_offline_and_the_second_resumes_from_a_checkpoint(client, model_dir):
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=300)
+
+
+def test_chat_turns_match_offline_and_the_second_resumes_from_a_checkpoint(client, server, model_dir):
     """Two chat turns: each equals the offline engine's greedy text; the second reports cached
-    prompt tokens (the first turn's prompt, restored from its state checkpoint)."""
+    prompt tokens (the first turn's prompt, restored from its state checkpoint), and the server's
+    checkpoint metrics count that restore and the captures before it."""
     from kvmesh.engine.llm import LLM
 
     offline = LLM(EngineConfig(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=512,
@@ -53,3 +59,9 @@ def test_chat_turns_match_offline_and_the_second_resumes_from_a_checkpoint(clien
     assert r2.choices[0].message.content == want2.text
     assert r2.usage.prompt_tokens_details.cached_tokens > 0
     assert r2.usage.prompt_tokens_details.cached_tokens % 4 == 0  # a block boundary with a checkpoint
+    gpu = {"tier": "gpu"}
+    assert server.metric("kvmesh_state_checkpoint_restores_total", **gpu) == 1
+    assert server.metric("kvmesh_state_checkpoint_stored_total", **gpu) >= 2  # both turns' prompt ends
+    entries = server.metric("kvmesh_state_checkpoint_capacity_entries", **gpu)
+    assert entries >= 1 and server.metric("kvmesh_state_checkpoint_used_entries", **gpu) >= 1
+    assert server.metric("kvmesh_state_checkpoint_capacity_bytes", **gpu) % entries == 0
