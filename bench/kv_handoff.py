@@ -1,8 +1,10 @@
 """Prefill -> decode handoff: one push after the prefill vs pushes overlapped with later chunks.
 
-Starts one decode engine and two prefill engines on the default model (one torch thread each): one
-pushes each prompt block as soon as its chunk is computed (`--kv-transfer-overlap`, the default),
-the other pushes everything after the first token (`--no-kv-transfer-overlap`). For each prompt
+Starts one decode engine and three prefill engines on the default model (one torch thread each): one
+pushes each prompt block as soon as its chunk is computed (`--kv-transfer-overlap`, the default,
+with the last chunk cut to a `--kv-transfer-tail-tokens` tail, default 128), one does the same
+without the tail (`--kv-transfer-tail-tokens 0`), and one pushes everything after the first token
+(`--no-kv-transfer-overlap`). For each prompt
 length, stage 1 (reserve + prefill + transfer, docs/disagg.md) is timed on both, alternating, with
 fresh random prompts (no prefix hits anywhere). Reports the medians of stage-1 latency and of the
 transfer time left after the prefill (`transfer_s`: what the handoff adds to TTFT), and the ratio.
@@ -81,6 +83,8 @@ def main() -> None:
     decode = Engine("decode", log_dir, "--role", "decode")
     chunk = ["--max-num-batched-tokens", str(args.chunk)]
     systems = {"overlapped": Engine("prefill-overlap", log_dir, "--role", "prefill", *chunk),
+               "overlapped, no tail": Engine("prefill-overlap-no-tail", log_dir, "--role", "prefill",
+                                             "--kv-transfer-tail-tokens", "0", *chunk),
                "after prefill": Engine("prefill-whole", log_dir, "--role", "prefill", "--no-kv-transfer-overlap",
                                        *chunk)}
     engines = [decode, *systems.values()]
@@ -103,11 +107,13 @@ def main() -> None:
                              for k in ("wall_s", "prefill_s", "transfer_s", "bytes_sent", "parts")}
             row["stage1_ratio"] = row["after prefill"]["wall_s"] / row["overlapped"]["wall_s"]
             rows.append(row)
-            o, w = row["overlapped"], row["after prefill"]
+            o, n, w = row["overlapped"], row["overlapped, no tail"], row["after prefill"]
             print(f"{row['prompt_tokens']:>5} tokens  stage 1: overlapped {o['wall_s'] * 1e3:7.1f} ms "
                   f"(transfer after prefill {o['transfer_s'] * 1e3:6.1f} ms, {o['parts']:.0f} parts) | "
-                  f"after prefill {w['wall_s'] * 1e3:7.1f} ms (transfer {w['transfer_s'] * 1e3:6.1f} ms) | "
-                  f"{row['stage1_ratio']:.2f}x  [{w['bytes_sent'] / 1e6:.1f} MB]", flush=True)
+                  f"no tail {n['wall_s'] * 1e3:7.1f} ms (transfer {n['transfer_s'] * 1e3:6.1f} ms, "
+                  f"{n['parts']:.0f} parts) | after prefill {w['wall_s'] * 1e3:7.1f} ms (transfer "
+                  f"{w['transfer_s'] * 1e3:6.1f} ms) | {row['stage1_ratio']:.2f}x  [{w['bytes_sent'] / 1e6:.1f} MB]",
+                  flush=True)
     finally:
         for e in engines:
             e.stop()

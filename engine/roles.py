@@ -23,10 +23,17 @@ class PrefillHandoff:
 
     from_block: int = 0
     stream: bool = False
+    tail_tokens: int = 0
+    """With ``stream``: a chunk that would end the prompt stops at a block boundary ``tail_tokens``
+    or more before its end when at least ``tail_tokens`` come before that boundary
+    (engine/scheduler.py ``chunk_tokens``), so the part pushed after the first token is that
+    small; 0 leaves chunks as the budget cuts them."""
 
     def __post_init__(self) -> None:
         if self.from_block < 0:
             raise ValueError(f"PrefillHandoff.from_block must be >= 0, not {self.from_block}")
+        if self.tail_tokens < 0:
+            raise ValueError(f"PrefillHandoff.tail_tokens must be >= 0, not {self.tail_tokens}")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,11 @@ whose cache-node fetch is in flight is set aside (still waiting, out of the queu
 and rejoins the queue, in its old place, once the fetch is done; the step never
 waits on the network.
 
+A prefill-role request whose KV streams to its decode engine chunk by chunk
+(``PrefillHandoff.tail_tokens``) has its last chunk cut short (``chunk_tokens``): every block
+before the tail is computed, and pushed, one step before the first token, so what is left to
+push after it is the tail alone.
+
 A transferred request (decode role: its prompt's KV arrived from a prefill engine, with every
 block it will need reserved) joins through ``add_transferred``: it is admitted before waiting
 requests, as one decode token, and never picked as a preemption victim while another running
@@ -33,6 +38,21 @@ from kvmesh.engine.kv.kv_manager import CachedSegment, KVCacheManager
 from kvmesh.engine.kv.hybrid_state import HybridStateManager
 from kvmesh.engine.kv.tiers import KVTiers
 from kvmesh.engine.request import Request, RequestStatus
+
+
+def chunk_tokens(computed: int, total: int, budget: int, block_size: int = 1, tail: int = 0) -> int:
+    """Tokens to compute this step for a sequence at ``computed`` of ``total`` known tokens.
+
+    ``min(total - computed, budget)``, except that with ``tail`` > 0 a chunk that would reach the
+    end stops at the last block boundary at or before ``total - tail``, when at least ``tail``
+    tokens come before it (a smaller piece is not worth a step of its own): the final step then
+    computes fewer than ``tail + block_size`` tokens. At least 1 when anything is left."""
+    n = min(total - computed, budget)
+    if tail > 0 and computed + n == total:
+        cut = (total - tail) // block_size * block_size
+        if cut - computed >= tail:
+            return cut - computed
+    return n
 
 
 @dataclass
@@ -193,7 +213,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = chunk_tokens(req.num_computed_tokens, req.num_tokens, budget, self.kv.block_size,
+                                   self._tail(req))
             preempted_self = False
             while self.kv.allocate_slots(req.request_id, req.all_token_ids, num_new,
                                          num_computed_tokens=req.num_computed_tokens, root=req.kv_root) is None:
@@ -261,7 +282,8 @@ class Scheduler:
                 if num_new > budget and not self.enable_chunked_prefill and not req.output_token_ids:
                     self._cancel_hits(hits, restore)
                     break
-                num_new = min(num_new, budget)
+                num_new = chunk_tokens(num_computed + num_loaded, req.num_tokens, budget, self.kv.block_size,
+                                       self._tail(req))
                 blocks = self.kv.allocate_slots(
                     req.request_id, req.all_token_ids, num_new, computed_blocks, num_computed + num_loaded,
                     root=req.kv_root,
@@ -294,6 +316,10 @@ class Scheduler:
         out.num_decodes = len(decodes)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _tail(self, req: Request) -> int:
+        h = req.handoff
+        return h.tail_tokens if h is not None and h.stream and self.enable_chunked_prefill else 0
 
     def _cancel_hits(self, hits, restore: int | None) -> None:
         """An admission that found hits did not happen: give back what its lookups reserved."""

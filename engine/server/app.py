@@ -44,7 +44,7 @@ class ServerApp:
                  kv_publisher: KVEventPublisher | None = None, drain_timeout_s: float = 30.0,
                  role: str = "both", kv_transfer_port: int = 0, kv_transfer_timeout_s: float = 30.0,
                  kv_transfer_overlap: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 auth: Credentials | None = None) -> None:
+                 auth: Credentials | None = None, kv_transfer_tail_tokens: int = 0) -> None:
         """`kv_publisher`, when given, streams the engine's KV events from load to shutdown;
         `drain_timeout_s` bounds a drain (SIGTERM or POST /admin/drain) before leftovers are aborted;
         `role` prefill/decode adds the KV handoff (docs/disagg.md), decode listening for KV on
@@ -64,6 +64,7 @@ class ServerApp:
         self.serving = Serving(aengine, [], count_error=self.metrics.count_error)
         self.disagg = DisaggServing(role, aengine, self.serving, transfer_port=kv_transfer_port,
                                     transfer_timeout_s=kv_transfer_timeout_s, overlap=kv_transfer_overlap,
+                                    tail_tokens=kv_transfer_tail_tokens,
                                     observe=self.metrics.observe_handoff, token=lambda: self.auth.internal_token())
         self.auth = auth or Credentials()
         self.metrics.transfer_auth_failures = lambda: self.disagg.auth_failures

@@ -44,11 +44,12 @@ class DisaggServing:
     """Role-specific request handling and the transfer endpoints it owns (started once loaded)."""
 
     def __init__(self, role: str, aengine: AsyncEngine, serving: Serving, *, transfer_port: int = 0,
-                 transfer_timeout_s: float = 30.0, overlap: bool = True,
+                 transfer_timeout_s: float = 30.0, overlap: bool = True, tail_tokens: int = 0,
                  observe: Callable[[str, int, float | None], None] = lambda outcome, nbytes, seconds: None,
                  token: Callable[[], str | None] = lambda: None) -> None:
         """``observe(outcome, bytes, seconds)`` counts each stage-1 handoff (the server's metrics);
-        ``overlap`` pushes prompt blocks while later chunks are still being computed; ``token``
+        ``overlap`` pushes prompt blocks while later chunks are still being computed, the last chunk
+        cut to ``tail_tokens`` (roles.PrefillHandoff); ``token``
         gives the internal token both ends of a KV connection prove (transfer/auth.py)."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; use one of {', '.join(ROLES)}")
@@ -58,6 +59,7 @@ class DisaggServing:
         self.transfer_port = transfer_port
         self.transfer_timeout_s = transfer_timeout_s
         self.overlap = overlap
+        self.tail_tokens = tail_tokens if overlap else 0
         self.endpoint: Any = None  # decode: DecodeEndpoint
         self.links: Any = None  # prefill: DecodeLinks
         self._observe = observe
@@ -175,7 +177,8 @@ class DisaggServing:
             raise _err(f"reservation on decode engine {host}:{port} failed: {e}", 502, "decode_failed") from None
         t1 = time.perf_counter()
         try:
-            group = self.serving.submit(prep, arrival, PrefillHandoff(res.hit_blocks, stream=self.overlap))
+            group = self.serving.submit(prep, arrival, PrefillHandoff(res.hit_blocks, stream=self.overlap,
+                                                                      tail_tokens=self.tail_tokens))
         except BaseException:
             await self.links.cancel(host, port, tid)
             raise

@@ -128,6 +128,7 @@ def build_server(settings: ServeSettings, engine_factory: Callable[[], Any] | No
                            kv_transfer_port=settings.kv_transfer_port,
                            kv_transfer_timeout_s=settings.engine.kv_transfer_timeout,
                            kv_transfer_overlap=settings.kv_transfer_overlap,
+                           kv_transfer_tail_tokens=settings.kv_transfer_tail_tokens,
                            max_request_bytes=settings.max_request_bytes, auth=settings.auth)
     app = server_app.app
     config = uvicorn.Config(

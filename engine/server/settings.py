@@ -15,7 +15,7 @@ from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from kvmesh.engine.config import SERVER, EngineConfig
 from kvmesh.engine.kv.event_wire import EVENT_FORMATS, KVMESH_FORMAT
 from kvmesh.engine.roles import ROLES
-from kvmesh.engine.util.cliargs import port_or_zero
+from kvmesh.engine.util.cliargs import non_negative_int, port_or_zero
 from kvmesh.engine.util.setting import setting
 
 
@@ -74,3 +74,8 @@ class ServeSettings:
         True, "--kv-transfer-overlap", group=SERVER, action=argparse.BooleanOptionalAction,
         help="prefill role: push each prompt block to the decode engine as soon as its chunk is computed, "
              "overlapping the transfer with later chunks (default: on)")
+    kv_transfer_tail_tokens: int = setting(
+        128, "--kv-transfer-tail-tokens", group=SERVER, type=non_negative_int, metavar="TOKENS",
+        help="prefill role with --kv-transfer-overlap: cut a prompt's last chunk to fewer than TOKENS + one "
+             "block, so the blocks before it are pushed while it is computed and only the tail is left to "
+             "push after the first token (0: chunks as the token budget cuts them) (default: %(default)s)")

@@ -57,6 +57,17 @@ def port_or_zero(text: str, highest: int = 65535, what: str = "a port", zero: st
     return port
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse count >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"not a count >= 0: {text!r}")
+    return n
+
+
 def config_model_path(path: str) -> str | None:
     """The model path a kvmesh YAML config names (model.source.path), or None."""
     import yaml

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvmesh.engine.block_hash import extra_key
 from kvmesh.engine.kv.kv_manager import KVCacheManager
 from kvmesh.engine.outputs import RequestMetrics
 from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampling import SamplingParams
-from kvmesh.engine.scheduler import Scheduler
+from kvmesh.engine.roles import PrefillHandoff
+from kvmesh.engine.scheduler import Scheduler, chunk_tokens
 
 BS = 4
 
@@ -154,3 +157,39 @@ def test_queued_prefill_tokens_count_waiting_and_partly_prefilled_prompts():
     while not a.output_token_ids:
         _run_step(s)
     assert s.queued_prefill_tokens == 0
+
+
+@pytest.mark.parametrize("computed,total,budget,tail,want", [
+    (0, 25, 10, 0, 10),    # no tail: the budget cuts
+    (20, 25, 10, 0, 5),
+    (0, 25, 32, 8, 16),    # would finish: stop at the last boundary at or before 25 - 8 = 17
+    (16, 25, 32, 8, 9),    # the tail itself: 9 < 8 + one block
+    (0, 25, 10, 8, 10),    # the budget cuts first; the tail comes when the end is in reach
+    (10, 25, 20, 8, 15),   # 10 -> 16 is less than a tail's worth: not a step of its own
+    (0, 6, 32, 8, 6),      # a prompt shorter than the tail is one chunk
+    (0, 1, 32, 8, 1),      # a decode token is never cut
+    (17, 25, 32, 8, 8),    # past the boundary already: nothing to split off
+])
+def test_chunk_tokens_cuts_the_last_chunk_to_the_tail(computed, total, budget, tail, want):
+    assert chunk_tokens(computed, total, budget, BS, tail) == want
+
+
+def test_a_streamed_handoff_computes_every_block_before_its_tail_one_step_early():
+    """Prefill role: a 50-token prompt under a 32-token budget with an 8-token tail runs 32, then
+    8 (to the boundary at 40 <= 50 - 8), then the 10-token tail, whose step samples the token;
+    a plain request with the same prompt runs 32 + 18."""
+    def chunks(req: Request) -> list[int]:
+        s = _sched(budget=32)
+        s.add(req)
+        out = []
+        while not req.output_token_ids:
+            out.append(_run_step(s).seqs[0].num_new_tokens)
+        return out
+
+    streamed = _req("a", 50, 0)
+    streamed.handoff = PrefillHandoff(stream=True, tail_tokens=8)
+    assert chunks(streamed) == [32, 8, 10]
+    assert chunks(_req("b", 50, 0)) == [32, 18]
+    unstreamed = _req("c", 50, 0)
+    unstreamed.handoff = PrefillHandoff(stream=False, tail_tokens=8)
+    assert chunks(unstreamed) == [32, 18]

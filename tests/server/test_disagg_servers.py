@@ -138,6 +138,39 @@ def test_stalled_decode_times_out_and_both_sides_free_their_blocks(prefill, deco
     assert stage2(decode, "after", _body()).status_code == 200
 
 
+def test_a_tail_cut_prefill_pushes_before_its_first_token_and_stays_exact(decode):
+    """`--kv-transfer-tail-tokens`: with a 16-token tail, a ~110-token prompt (one chunk under the
+    default budget) runs to the last block boundary 16+ tokens before its end, pushes those blocks,
+    then runs the tail, and only the tail's blocks are pushed after the first token. The answer
+    equals the decode engine's own cold answer (another cache salt: nothing transferred is used).
+    Without the tail, the same prompt goes in one part fewer and the same bytes."""
+    flags = ("--role", "prefill", "--num-threads", "1", "--num-kv-blocks", "512")
+    cut = ServerProcess(*flags, "--kv-transfer-tail-tokens", "16").start()
+    uncut = ServerProcess(*flags, "--kv-transfer-tail-tokens", "0").start()
+    try:
+        docs = {}
+        for name, p in (("cut", cut), ("uncut", uncut)):
+            # A salt per engine: the second transfer finds none of the first one's blocks.
+            body = _body("List three prime numbers. " * 15, cache_salt=name)
+            info = stage1(p, decode, f"tail-{name}", body)
+            assert info.status_code == 200, info.text
+            docs[name] = info.json()
+            got = stage2(decode, f"tail-{name}", body)
+            assert got.status_code == 200, got.text
+            ref = httpx.post(decode.url("/v1/chat/completions"), json={**body, "cache_salt": f"cold-{name}"},
+                             timeout=120).json()
+            assert ref["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert got.json()["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+        assert docs["cut"]["prompt_tokens"] >= 48  # room for 16+ tokens before the cut and 16+ after
+        assert (docs["uncut"]["parts"], docs["cut"]["parts"]) == (1, 2)
+        assert docs["cut"]["bytes_sent"] == docs["uncut"]["bytes_sent"]
+        nothing_held(cut, decode)
+        nothing_held(uncut, decode)
+    finally:
+        cut.stop()
+        uncut.stop()
+
+
 def test_prefill_killed_mid_prefill_frees_the_decode_reservation(decode):
     p = ServerProcess("--role", "prefill", "--num-threads", "1", "--num-kv-blocks", "512",
                       "--max-num-batched-tokens", "16").start()
