@@ -14,25 +14,20 @@ import signal
 
 import numpy as np
 import pytest
-import torch
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.llm import LLM
-from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.transfer.buffers import KVBlock
 from kvmesh.engine.transfer.client import KVClient
 from kvmesh.engine.transfer.header import BlockHeader, StateBufferSpec, state_layout
 from tests.support.processes import NodeProc
-from tests.support.tiny_hybrid import hf_greedy, make_tiny_hybrid_model
+from tests.support.tiny_hybrid import PROMPT, TURN1, TURN2, make_tiny_hybrid_model, two_turns
+from tests.support.tiny_hybrid import greedy as _params
 from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
-_g = torch.Generator().manual_seed(4)
-PROMPT = torch.randint(3, 1000, (70,), generator=_g).tolist()
-SUFFIX = [5, 6, 7, 8, 9, 10, 11]
-TURN1, TURN2 = 40, 12
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +37,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def turns(model_dir):
-    (first, _), = hf_greedy(model_dir, [PROMPT], TURN1)
-    second_prompt = PROMPT + first + SUFFIX
-    (second, _), = hf_greedy(model_dir, [second_prompt], TURN2)
-    return first, second_prompt, second
+    return two_turns(model_dir)
 
 
 @pytest.fixture
@@ -53,10 +45,6 @@ def node():
     n = NodeProc(memory="64MiB", events=False).start()
     yield n
     n.stop(signal.SIGKILL)
-
-
-def _params(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 def _engine(model_dir, node) -> LLMEngine:

@@ -8,20 +8,15 @@ transformers' generate on the full prompt as the reference for every turn.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.llm import LLM
 from kvmesh.engine.model.recurrent_state import StatePool
 from kvmesh.engine.model.safetensors_loader import read_hf_config
-from kvmesh.engine.sampling import SamplingParams
-from tests.support.tiny_hybrid import hf_greedy, make_tiny_hybrid_model
+from tests.support.tiny_hybrid import PROMPT, SUFFIX, TURN1, TURN2, hf_greedy, make_tiny_hybrid_model, two_turns
+from tests.support.tiny_hybrid import greedy as _params
 
-_g = torch.Generator().manual_seed(4)
-PROMPT = torch.randint(3, 1000, (70,), generator=_g).tolist()
-SUFFIX = [5, 6, 7, 8, 9, 10, 11]
-TURN1, TURN2 = 40, 12
 
 
 @pytest.fixture(scope="module")
@@ -31,20 +26,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def turns(model_dir):
-    """(turn-1 tokens, turn-2 prompt, turn-2 tokens) as transformers generates them."""
-    (first, _), = hf_greedy(model_dir, [PROMPT], TURN1)
-    second_prompt = PROMPT + first + SUFFIX
-    (second, _), = hf_greedy(model_dir, [second_prompt], TURN2)
-    return first, second_prompt, second
+    return two_turns(model_dir)
 
 
 def _engine(model_dir, **cfg) -> LLMEngine:
     cfg = {"num_kv_blocks": 256, **cfg}
     return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", **cfg), debug_checks=True)
-
-
-def _params(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 def _computed_per_request(engine: LLMEngine) -> dict[str, int]:

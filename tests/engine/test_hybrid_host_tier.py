@@ -10,20 +10,15 @@ on the full prompt is the reference for every turn.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvmesh.engine.config import ConfigError, EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.llm import LLM
 from kvmesh.engine.model.recurrent_state import StatePool
 from kvmesh.engine.model.safetensors_loader import read_hf_config
-from kvmesh.engine.sampling import SamplingParams
-from tests.support.tiny_hybrid import hf_greedy, make_tiny_hybrid_model
+from tests.support.tiny_hybrid import PROMPT, TURN1, TURN2, hf_greedy, make_tiny_hybrid_model, two_turns
+from tests.support.tiny_hybrid import greedy as _params
 
-_g = torch.Generator().manual_seed(4)
-PROMPT = torch.randint(3, 1000, (70,), generator=_g).tolist()
-SUFFIX = [5, 6, 7, 8, 9, 10, 11]
-TURN1, TURN2 = 40, 12
 OTHERS = [[(7 * j + 11 * i) % 900 + 40 for j in range(60)] for i in range(3)]
 
 
@@ -40,15 +35,9 @@ def per(model_dir) -> int:
 @pytest.fixture(scope="module")
 def turns(model_dir):
     """(turn-1 tokens, turn-2 prompt, turn-2 tokens, other prompts' tokens) from transformers."""
-    (first, _), = hf_greedy(model_dir, [PROMPT], TURN1)
-    second_prompt = PROMPT + first + SUFFIX
-    (second, _), = hf_greedy(model_dir, [second_prompt], TURN2)
+    first, second_prompt, second = two_turns(model_dir)
     others = [t for t, _ in hf_greedy(model_dir, OTHERS, 4)]
     return first, second_prompt, second, others
-
-
-def _params(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 def _engine(model_dir, **cfg) -> LLMEngine:

@@ -73,3 +73,25 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[t
                                  eos_token_id=None)
             refs.append((out.sequences[0, len(ids):].tolist(), torch.stack([s[0] for s in out.scores])))
     return refs
+
+
+# The two-turn conversation the checkpoint tests share: turn 1 is PROMPT (70 tokens) and TURN1
+# generated tokens; turn 2 is turn 1's prompt + its output + SUFFIX, TURN2 generated tokens.
+PROMPT = torch.randint(3, 1000, (70,), generator=torch.Generator().manual_seed(4)).tolist()
+SUFFIX = [5, 6, 7, 8, 9, 10, 11]
+TURN1, TURN2 = 40, 12
+
+
+def two_turns(model_dir: Path) -> tuple[list[int], list[int], list[int]]:
+    """(turn-1 tokens, turn-2 prompt, turn-2 tokens), as transformers generates them."""
+    (first, _), = hf_greedy(model_dir, [PROMPT], TURN1)
+    second_prompt = PROMPT + first + SUFFIX
+    (second, _), = hf_greedy(model_dir, [second_prompt], TURN2)
+    return first, second_prompt, second
+
+
+def greedy(n: int) -> Any:
+    """Greedy sampling of exactly ``n`` tokens (EOS ignored), as the references are generated."""
+    from kvmesh.engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
