@@ -22,22 +22,12 @@ from kvmesh.engine.transfer.buffers import KVBlock
 from kvmesh.engine.transfer.client import KVClient
 from kvmesh.engine.transfer.header import BlockHeader, StateBufferSpec, state_layout
 from tests.support.processes import NodeProc
-from tests.support.tiny_hybrid import PROMPT, TURN1, TURN2, make_tiny_hybrid_model, two_turns
+from tests.support.tiny_hybrid import PROMPT, TURN1, TURN2
 from tests.support.tiny_hybrid import greedy as _params
 from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_hybrid_model(tmp_path_factory.mktemp("hybrid"))
-
-
-@pytest.fixture(scope="module")
-def turns(model_dir):
-    return two_turns(model_dir)
 
 
 @pytest.fixture
@@ -47,8 +37,8 @@ def node():
     n.stop(signal.SIGKILL)
 
 
-def _engine(model_dir, node) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64,
+def _engine(hybrid_dir, node) -> LLMEngine:
+    engine = LLMEngine(EngineConfig(model=str(hybrid_dir), dtype="float32", num_kv_blocks=64,
                                     cache_node=f"127.0.0.1:{node.http_port}", cache_node_timeout=10.0),
                        debug_checks=True)
     wait_for(lambda: engine._cache_node.clients() is not None, "the engine never resolved the cache node")
@@ -60,12 +50,12 @@ def _node_stats(node) -> dict:
         return c.stats().result(15)
 
 
-def test_second_engine_reloads_kv_and_checkpoint(model_dir, node, turns):
+def test_second_engine_reloads_kv_and_checkpoint(hybrid_dir, node, hybrid_turns):
     """Engine A runs turn 1 (checkpoints at 64 and, when it finishes, at 96 are written through
     with the KV blocks); engine B, empty, runs turn 2: it fetches 6 blocks and the 96-token
     checkpoint, computes only the rest, reports 96 cached tokens and equals transformers."""
-    first, second_prompt, second = turns
-    writer = _engine(model_dir, node)
+    first, second_prompt, second = hybrid_turns
+    writer = _engine(hybrid_dir, node)
     assert LLM(engine=writer).generate([PROMPT], _params(TURN1))[0].token_ids == first
     remote = writer.tiers.remote
     wait_for(lambda: remote.inflight_bytes == 0 and remote.state_stats.stored >= 2 and remote.snapshot_stats().stored >= 6,
@@ -73,7 +63,7 @@ def test_second_engine_reloads_kv_and_checkpoint(model_dir, node, turns):
     assert remote.state_stats.dropped == 0 and remote.state_stats.failures == 0
     writer.close()
 
-    reader = _engine(model_dir, node)
+    reader = _engine(hybrid_dir, node)
     r2 = LLM(engine=reader).generate([second_prompt], _params(TURN2))[0]
     assert r2.token_ids == second, f"{r2.token_ids} != {second}"
     assert r2.num_cached_tokens == 96
@@ -90,13 +80,13 @@ def test_second_engine_reloads_kv_and_checkpoint(model_dir, node, turns):
     reader.close()
 
 
-def test_checkpoint_of_another_layout_is_refused_and_counted(model_dir, node, turns):
+def test_checkpoint_of_another_layout_is_refused_and_counted(hybrid_dir, node, hybrid_turns):
     """A checkpoint stored under this engine's hash (the 48-token boundary, which the engine never
     checkpoints itself) with another recurrent-state shape: the node refuses to serve it to this
     engine (a header error naming the field, before any byte), the engine counts the failure,
     recomputes, and still equals transformers; its own write-through is unaffected."""
-    first, _, _ = turns
-    engine = _engine(model_dir, node)
+    first, _, _ = hybrid_turns
+    engine = _engine(hybrid_dir, node)
     layout = engine.tiers.remote.state_layout
     specs = list(layout.state)
     i = next(j for j, s in enumerate(specs) if s.name.startswith("ssm."))
@@ -120,7 +110,7 @@ def test_checkpoint_of_another_layout_is_refused_and_counted(model_dir, node, tu
     engine.close()
 
 
-def test_local_kv_with_the_checkpoint_only_on_the_node(model_dir, node, turns):
+def test_local_kv_with_the_checkpoint_only_on_the_node(hybrid_dir, node, hybrid_turns):
     """The hit mixes tiers: turn 1's KV blocks stay in the device pool, its checkpoints are
     evicted from a one-entry device checkpoint pool (no host tier) by another prompt; turn 2
     takes the KV from the device and the checkpoint from the node, and is exact. (With one entry
@@ -128,9 +118,9 @@ def test_local_kv_with_the_checkpoint_only_on_the_node(model_dir, node, turns):
     from kvmesh.engine.model.recurrent_state import StatePool
     from kvmesh.engine.model.safetensors_loader import read_hf_config
 
-    first, second_prompt, second = turns
-    per = StatePool.bytes_per_slot(read_hf_config(model_dir), 4)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64,
+    first, second_prompt, second = hybrid_turns
+    per = StatePool.bytes_per_slot(read_hf_config(hybrid_dir), 4)
+    engine = LLMEngine(EngineConfig(model=str(hybrid_dir), dtype="float32", num_kv_blocks=64,
                                     state_checkpoint_bytes=per, cache_node=f"127.0.0.1:{node.http_port}",
                                     cache_node_timeout=10.0), debug_checks=True)
     wait_for(lambda: engine._cache_node.clients() is not None, "the engine never resolved the cache node")

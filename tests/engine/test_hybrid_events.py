@@ -8,7 +8,6 @@ test_hybrid_checkpoints.py; here the outputs' ``num_cached_tokens`` are what is 
 
 from __future__ import annotations
 
-import pytest
 
 from kvmesh.engine.block_hash import hash_blocks
 from kvmesh.engine.config import EngineConfig
@@ -21,18 +20,12 @@ from kvmesh.engine.router.index import PrefixIndex
 from kvmesh.engine.router.prompt import matched_tokens, max_hit_blocks
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.server.kv_routes import kv_info
-from tests.support.tiny_hybrid import make_tiny_hybrid_model
 
 BS = 16  # the engine's default block size
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_hybrid_model(tmp_path_factory.mktemp("hybrid-events"))
-
-
-def _engine(model_dir, **cfg) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=256, **cfg),
+def _engine(hybrid_dir, **cfg) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(hybrid_dir), dtype="float32", num_kv_blocks=256, **cfg),
                      debug_checks=True)
 
 
@@ -47,14 +40,14 @@ def _checkpoints_match_the_stream(engine: LLMEngine) -> set:
     return set(streamed)
 
 
-def test_checkpoints_are_published_and_evicted_in_the_stream_and_predict_every_hit(model_dir):
+def test_checkpoints_are_published_and_evicted_in_the_stream_and_predict_every_hit(hybrid_dir):
     """Two interleaved conversations on a 3-entry checkpoint pool, once pushed out by a long
     unrelated prompt (their KV stays, their checkpoints go): after every request the
     stream's ``state-gpu`` set equals the pool's published hashes (stored and removed records
     seen), and a router index replaying the stream predicts each request's ``num_cached_tokens``
     exactly, where counting the cached KV blocks alone would over-predict."""
-    per = StatePool.bytes_per_slot(read_hf_config(model_dir), 4)
-    engine = _engine(model_dir, state_checkpoint_bytes=3 * per, state_checkpoint_interval=32)
+    per = StatePool.bytes_per_slot(read_hf_config(hybrid_dir), 4)
+    engine = _engine(hybrid_dir, state_checkpoint_bytes=3 * per, state_checkpoint_interval=32)
     llm = LLM(engine=engine)
     index, seen = PrefixIndex(), 0
     convs = {"a": [(11 * j) % 900 + 20 for j in range(70)], "b": [(7 * j) % 900 + 40 for j in range(45)],
@@ -82,11 +75,11 @@ def test_checkpoints_are_published_and_evicted_in_the_stream_and_predict_every_h
     assert hits >= 2 and overpredicted >= 2  # the cut back mattered, and hits happened
 
 
-def test_kv_info_says_hybrid_and_names_the_checkpoint_medium(model_dir):
-    engine = _engine(model_dir, state_checkpoint_interval=32)
+def test_kv_info_says_hybrid_and_names_the_checkpoint_medium(hybrid_dir):
+    engine = _engine(hybrid_dir, state_checkpoint_interval=32)
     info = kv_info(engine, None)
     assert info["hybrid"] is True
     assert info["state_checkpoints"]["medium"] == "state-gpu"
     assert info["state_checkpoints"]["interval_tokens"] == 32 and info["state_checkpoints"]["capacity"] > 0
-    off = kv_info(_engine(model_dir, state_checkpoint_bytes=0), None)
+    off = kv_info(_engine(hybrid_dir, state_checkpoint_bytes=0), None)
     assert off["hybrid"] is True and off["state_checkpoints"] is None  # no pool: no hybrid hits at all

@@ -16,32 +16,25 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.llm import LLM
 from kvmesh.engine.model.recurrent_state import StatePool
 from kvmesh.engine.model.safetensors_loader import read_hf_config
-from tests.support.tiny_hybrid import PROMPT, TURN1, TURN2, hf_greedy, make_tiny_hybrid_model, two_turns
+from tests.support.tiny_hybrid import PROMPT, TURN1, TURN2, hf_greedy
 from tests.support.tiny_hybrid import greedy as _params
 
 OTHERS = [[(7 * j + 11 * i) % 900 + 40 for j in range(60)] for i in range(3)]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_hybrid_model(tmp_path_factory.mktemp("hybrid"))
+def per(hybrid_dir) -> int:
+    return StatePool.bytes_per_slot(read_hf_config(hybrid_dir), 4)
 
 
 @pytest.fixture(scope="module")
-def per(model_dir) -> int:
-    return StatePool.bytes_per_slot(read_hf_config(model_dir), 4)
-
-
-@pytest.fixture(scope="module")
-def turns(model_dir):
+def turns(hybrid_dir, hybrid_turns):
     """(turn-1 tokens, turn-2 prompt, turn-2 tokens, other prompts' tokens) from transformers."""
-    first, second_prompt, second = two_turns(model_dir)
-    others = [t for t, _ in hf_greedy(model_dir, OTHERS, 4)]
-    return first, second_prompt, second, others
+    return (*hybrid_turns, [t for t, _ in hf_greedy(hybrid_dir, OTHERS, 4)])
 
 
-def _engine(model_dir, **cfg) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", **cfg), debug_checks=True)
+def _engine(hybrid_dir, **cfg) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(hybrid_dir), dtype="float32", **cfg), debug_checks=True)
 
 
 def _run_turns(llm: LLM, turns) -> tuple:
@@ -56,11 +49,11 @@ def _run_turns(llm: LLM, turns) -> tuple:
     return r2
 
 
-def test_turn_two_reloads_kv_and_checkpoint_from_host(model_dir, per, turns):
+def test_turn_two_reloads_kv_and_checkpoint_from_host(hybrid_dir, per, turns):
     """Device pools of 2 checkpoints and 12 KV blocks: the other prompts evict turn 1's state and
     blocks to the host tiers; turn 2 promotes both back, resumes at 96 tokens (turn 1's last
     boundary) and equals transformers."""
-    engine = _engine(model_dir, num_kv_blocks=12, state_checkpoint_bytes=2 * per, cpu_kv_bytes=4 << 20,
+    engine = _engine(hybrid_dir, num_kv_blocks=12, state_checkpoint_bytes=2 * per, cpu_kv_bytes=4 << 20,
                      cpu_state_bytes=16 * per)
     host_states = engine.state_slots.host
     assert host_states is not None and host_states.num_slots == 16
@@ -77,11 +70,11 @@ def test_turn_two_reloads_kv_and_checkpoint_from_host(model_dir, per, turns):
     engine.check_integrity()
 
 
-def test_without_host_checkpoints_the_kv_alone_is_no_hit(model_dir, per, turns):
+def test_without_host_checkpoints_the_kv_alone_is_no_hit(hybrid_dir, per, turns):
     """Control: the same traffic with a device checkpoint pool too small to keep turn 1's state
     and a host checkpoint tier of one entry that the others' checkpoints take: the host KV is
     there, no checkpoint is, so turn 2 is a miss (recomputed) and still exact."""
-    engine = _engine(model_dir, num_kv_blocks=12, state_checkpoint_bytes=2 * per, cpu_kv_bytes=4 << 20,
+    engine = _engine(hybrid_dir, num_kv_blocks=12, state_checkpoint_bytes=2 * per, cpu_kv_bytes=4 << 20,
                      cpu_state_bytes=per)
     r2 = _run_turns(LLM(engine=engine), turns)
     host_states = engine.state_slots.host
@@ -89,10 +82,10 @@ def test_without_host_checkpoints_the_kv_alone_is_no_hit(model_dir, per, turns):
     assert r2.num_cached_tokens == 0 and host_states.stats.promotions == 0
 
 
-def test_host_checkpoint_budget_is_its_own(model_dir, per):
+def test_host_checkpoint_budget_is_its_own(hybrid_dir, per):
     """The checkpoint tier's budget defaults to a quarter of the KV host tier's and is checked."""
-    engine = _engine(model_dir, num_kv_blocks=16, state_checkpoint_bytes=2 * per, cpu_kv_bytes=40 * per)
+    engine = _engine(hybrid_dir, num_kv_blocks=16, state_checkpoint_bytes=2 * per, cpu_kv_bytes=40 * per)
     assert engine.state_slots.host.num_slots == 10
     with pytest.raises(ConfigError, match="cpu-state-bytes"):
-        _engine(model_dir, num_kv_blocks=12, state_checkpoint_bytes=2 * per, cpu_kv_bytes=4 << 20,
+        _engine(hybrid_dir, num_kv_blocks=12, state_checkpoint_bytes=2 * per, cpu_kv_bytes=4 << 20,
                 cpu_state_bytes=per - 1)

@@ -25,19 +25,14 @@ PROMPTS = [torch.randint(3, 1000, (n,), generator=_g).tolist() for n in (1, 5, 3
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_hybrid_model(tmp_path_factory.mktemp("hybrid"))
+def reference(hybrid_dir):
+    return hf_greedy(hybrid_dir, PROMPTS, MAX_NEW)
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return hf_greedy(model_dir, PROMPTS, MAX_NEW)
-
-
-def _llm(model_dir, **cfg) -> LLM:
+def _llm(hybrid_dir, **cfg) -> LLM:
     # A pool of 256 blocks: the integrity checks after every step walk all of it.
     cfg = {"num_kv_blocks": 256, **cfg}
-    return LLM(engine=LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", **cfg), debug_checks=True))
+    return LLM(engine=LLMEngine(EngineConfig(model=str(hybrid_dir), dtype="float32", **cfg), debug_checks=True))
 
 
 def _params(n: int = MAX_NEW) -> SamplingParams:
@@ -52,28 +47,28 @@ def _assert_parity(results, reference):
             f"smallest top-2 gap in the reference {float((top2[:, 0] - top2[:, 1]).min()):.3g}")
 
 
-def test_cold(model_dir, reference):
+def test_cold(hybrid_dir, reference):
     """All prompts at once (prefills of different lengths share one padded chunked scan)."""
-    _assert_parity(_llm(model_dir).generate(PROMPTS, _params()), reference)
+    _assert_parity(_llm(hybrid_dir).generate(PROMPTS, _params()), reference)
 
 
 @pytest.mark.parametrize("budget", [7, 23])
-def test_chunked_prefill_budgets(model_dir, reference, budget):
+def test_chunked_prefill_budgets(hybrid_dir, reference, budget):
     """Step budgets that are not block (16) or DeltaNet-chunk (64) multiples: prompts resume from slot state."""
-    _assert_parity(_llm(model_dir, max_num_batched_tokens=budget).generate(PROMPTS, _params()), reference)
+    _assert_parity(_llm(hybrid_dir, max_num_batched_tokens=budget).generate(PROMPTS, _params()), reference)
 
 
-def test_preemption_recomputes_state(model_dir, reference):
+def test_preemption_recomputes_state(hybrid_dir, reference):
     """A KV pool too small for all requests forces preemption; the victims restart from token 0."""
-    llm = _llm(model_dir, num_kv_blocks=13, max_num_batched_tokens=64)
+    llm = _llm(hybrid_dir, num_kv_blocks=13, max_num_batched_tokens=64)
     results = llm.generate(PROMPTS, _params())
     assert llm.engine.stats().num_preemptions > 0, "the tiny pool forced no preemption"
     _assert_parity(results, reference)
 
 
-def test_batch_mixing_new_and_decoding_requests(model_dir, reference):
+def test_batch_mixing_new_and_decoding_requests(hybrid_dir, reference):
     """Requests join while others decode: steps carry decode rows and prefill rows together."""
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_num_batched_tokens=40,
+    engine = LLMEngine(EngineConfig(model=str(hybrid_dir), dtype="float32", max_num_batched_tokens=40,
                                     num_kv_blocks=256), debug_checks=True)
     shapes = []
     execute = engine.runner.execute
@@ -99,15 +94,15 @@ def test_batch_mixing_new_and_decoding_requests(model_dir, reference):
         assert got[str(i)] == want, f"prompt {i}: {got[str(i)]} != {want}"
 
 
-def test_repeated_prompts_hit_only_with_checkpoints(model_dir, reference):
+def test_repeated_prompts_hit_only_with_checkpoints(hybrid_dir, reference):
     """A repeated prompt: with no checkpoint memory no hit at all (the KV would be there, the DeltaNet
     state would not); with checkpoints a hit up to the prompt's last block boundary. Both exact."""
-    off = _llm(model_dir, state_checkpoint_bytes=0)
+    off = _llm(hybrid_dir, state_checkpoint_bytes=0)
     off.generate(PROMPTS, _params())
     again = off.generate(PROMPTS, _params())
     assert all(r.num_cached_tokens == 0 for r in again)
     _assert_parity(again, reference)
-    on = _llm(model_dir)
+    on = _llm(hybrid_dir)
     on.generate(PROMPTS, _params())
     again = on.generate(PROMPTS, _params())
     assert [r.num_cached_tokens for r in again] == [(len(p) - 1) // 16 * 16 for p in PROMPTS]

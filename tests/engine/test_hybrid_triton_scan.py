@@ -19,7 +19,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.kernels.gated_delta import gated_delta_kernels
 from kvmesh.engine.llm import LLM
 from kvmesh.engine.sampling import SamplingParams
-from tests.support.tiny_hybrid import hf_greedy, make_tiny_hybrid_model
+from tests.support.tiny_hybrid import hf_greedy
 
 MAX_NEW = 6
 _g = torch.Generator().manual_seed(3)
@@ -28,17 +28,12 @@ PROMPTS = [torch.randint(3, 1000, (n,), generator=_g).tolist() for n in (5, 37, 
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_hybrid_model(tmp_path_factory.mktemp("hybrid-triton"))
+def reference(hybrid_dir):
+    return hf_greedy(hybrid_dir, PROMPTS, MAX_NEW)
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return hf_greedy(model_dir, PROMPTS, MAX_NEW)
-
-
-def _triton_llm(model_dir, **cfg) -> LLM:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, **cfg))
+def _triton_llm(hybrid_dir, **cfg) -> LLM:
+    engine = LLMEngine(EngineConfig(model=str(hybrid_dir), dtype="float32", num_kv_blocks=64, **cfg))
     assert engine.model.kernels.name == "torch"  # a CPU engine picks the reference
     engine.model.kernels = gated_delta_kernels("triton")
     return LLM(engine=engine)
@@ -49,11 +44,11 @@ def _params() -> SamplingParams:
 
 
 @pytest.mark.slow  # the interpreter runs every kernel program in Python: minutes on a loaded 2-core machine
-def test_triton_scan_cold_then_checkpoint_hits(model_dir, reference):
+def test_triton_scan_cold_then_checkpoint_hits(hybrid_dir, reference):
     """All prompts at once (one padded Triton scan, then batched Triton decode steps), then the same
     prompts again: they resume from checkpoints captured inside the Triton scan (the prompts' last
     block boundaries fall inside scan chunks). Both rounds equal transformers token for token."""
-    llm = _triton_llm(model_dir)
+    llm = _triton_llm(hybrid_dir)
     first = llm.generate(PROMPTS, _params())
     assert [r.token_ids for r in first] == [want for want, _ in reference]
     again = llm.generate(PROMPTS, _params())
@@ -62,13 +57,13 @@ def test_triton_scan_cold_then_checkpoint_hits(model_dir, reference):
 
 
 @pytest.mark.slow
-def test_all_triton_engine_chunked_prefill(model_dir, reference, monkeypatch):
+def test_all_triton_engine_chunked_prefill(hybrid_dir, reference, monkeypatch):
     """The engine's own choice: with the Triton backend (forced here, since a CPU engine refuses it;
     its attention, RMSNorm and RoPE kernels then run in the interpreter too) the model gets the
     Triton gated delta kernels. A step budget of 23 tokens scans prompts in pieces that resume
     from slot state; tokens equal transformers'."""
     monkeypatch.setattr(engine_module, "_pick_backend", lambda cfg, device: "triton")
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64,
+    engine = LLMEngine(EngineConfig(model=str(hybrid_dir), dtype="float32", num_kv_blocks=64,
                                     max_num_batched_tokens=23))
     assert engine.backend.name == "triton" and engine.model.kernels.name == "triton"
     results = LLM(engine=engine).generate(PROMPTS, _params())
