@@ -11,17 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.engine.kernels import gated_delta as gd
-
-
-def _inputs(b: int, h: int, t: int, dk: int, dv: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    q = gd.l2norm(torch.randn(b, h, t, dk, generator=g)) * dk ** -0.5
-    k = gd.l2norm(torch.randn(b, h, t, dk, generator=g))
-    v = torch.randn(b, h, t, dv, generator=g)
-    decay = -torch.rand(b, h, t, generator=g) * 0.5  # log space, <= 0
-    beta = torch.rand(b, h, t, generator=g)
-    state = torch.randn(b, h, dk, dv, generator=g) * 0.1
-    return q, k, v, decay, beta, state
+from tests.support.delta_inputs import delta_inputs
 
 
 def _token_loop(q, k, v, decay, beta, state):
@@ -36,7 +26,7 @@ def _token_loop(q, k, v, decay, beta, state):
 @pytest.mark.parametrize("t", [1, 5, 64, 130])
 def test_chunked_equals_recurrent(t):
     """The chunked form (WY/UT solves per chunk) and the per-token recurrence agree, from a nonzero state."""
-    q, k, v, decay, beta, state = _inputs(2, 3, t, 16, 8)
+    q, k, v, decay, beta, state = delta_inputs(2, 3, t, 16, 8)
     out_c, s_c, _ = gd.chunked(q, k, v, decay, beta, state)
     out_r, s_r = _token_loop(q, k, v, decay, beta, state)
     torch.testing.assert_close(out_c, out_r, atol=1e-5, rtol=1e-4)
@@ -45,7 +35,7 @@ def test_chunked_equals_recurrent(t):
 
 def test_chunked_resumes_from_its_own_state():
     """Prefill in two pieces (split off a chunk boundary) equals prefill in one: what chunked prefill relies on."""
-    q, k, v, decay, beta, state = _inputs(1, 2, 100, 16, 16, seed=3)
+    q, k, v, decay, beta, state = delta_inputs(1, 2, 100, 16, 16, seed=3)
     whole, s_whole, _ = gd.chunked(q, k, v, decay, beta, state)
     a, s_a, _ = gd.chunked(q[:, :, :37], k[:, :, :37], v[:, :, :37], decay[:, :, :37], beta[:, :, :37], state)
     b, s_b, _ = gd.chunked(q[:, :, 37:], k[:, :, 37:], v[:, :, 37:], decay[:, :, 37:], beta[:, :, 37:], s_a)
@@ -55,7 +45,7 @@ def test_chunked_resumes_from_its_own_state():
 
 def test_right_padding_leaves_the_final_state():
     """Zero padding (k = v = beta = decay = 0) past a sequence's end changes neither its outputs nor its state."""
-    q, k, v, decay, beta, state = _inputs(1, 2, 20, 8, 8, seed=5)
+    q, k, v, decay, beta, state = delta_inputs(1, 2, 20, 8, 8, seed=5)
     out, s, _ = gd.chunked(q, k, v, decay, beta, state)
     pad = [F.pad(x, (0, 0, 0, 9)) for x in (q, k, v)] + [F.pad(x, (0, 9)) for x in (decay, beta)]
     out_p, s_p, _ = gd.chunked(*pad, state)
@@ -86,7 +76,7 @@ def test_matches_transformers_reference():
 def test_captured_states_equal_the_state_of_a_shorter_run(t):
     """The state captured after token j inside the scan equals the final state of a run over the first j
     tokens, for j inside chunks, at chunk ends and at the sequence's end, in a padded batch."""
-    q, k, v, decay, beta, state = _inputs(2, 2, t, 8, 8, seed=9)
+    q, k, v, decay, beta, state = delta_inputs(2, 2, t, 8, 8, seed=9)
     points = [(0, 1), (1, 7), (0, 16), (1, 64 if t > 64 else t), (0, t), (1, t - 3)]
     _, _, captured = gd.chunked(q, k, v, decay, beta, state, capture=points)
     for i, (b, j) in enumerate(points):

@@ -14,19 +14,9 @@ import torch.nn.functional as F
 
 from kvmesh.engine.kernels import gated_delta as gd
 from kvmesh.engine.kernels.gated_delta_triton import chunked_triton, recurrent_step_triton
+from tests.support.delta_inputs import delta_inputs
 
 TOL = {"atol": 2e-5, "rtol": 1e-4}
-
-
-def _inputs(b: int, h: int, t: int, dk: int, dv: int, seed: int = 0, with_state: bool = True):
-    g = torch.Generator().manual_seed(seed)
-    q = gd.l2norm(torch.randn(b, h, t, dk, generator=g)) * dk ** -0.5
-    k = gd.l2norm(torch.randn(b, h, t, dk, generator=g))
-    v = torch.randn(b, h, t, dv, generator=g)
-    decay = -torch.rand(b, h, t, generator=g) * 0.5  # log space, <= 0
-    beta = torch.rand(b, h, t, generator=g)
-    state = torch.randn(b, h, dk, dv, generator=g) * 0.1 if with_state else torch.zeros(b, h, dk, dv)
-    return q, k, v, decay, beta, state
 
 
 @pytest.mark.parametrize(("b", "h", "t", "dk", "dv", "with_state"), [
@@ -39,7 +29,7 @@ def _inputs(b: int, h: int, t: int, dk: int, dv: int, seed: int = 0, with_state:
 def test_chunked_matches_reference(b, h, t, dk, dv, with_state):
     """Outputs and final state equal the torch chunked scan for head counts, lengths that are not chunk
     multiples, and zero or random initial states."""
-    x = _inputs(b, h, t, dk, dv, seed=t, with_state=with_state)
+    x = delta_inputs(b, h, t, dk, dv, seed=t, with_state=with_state)
     out, final, captured = chunked_triton(*x)
     want_out, want_final, _ = gd.chunked(*x)
     assert captured is None and out.shape == want_out.shape and final.shape == want_final.shape
@@ -49,7 +39,7 @@ def test_chunked_matches_reference(b, h, t, dk, dv, with_state):
 
 def test_chunk_size_argument_changes_no_result():
     """The reference's 64-token chunk instead of the kernels' 16 gives the same result: only the cost differs."""
-    x = _inputs(1, 2, 100, 16, 16, seed=4)
+    x = delta_inputs(1, 2, 100, 16, 16, seed=4)
     out64, s64, _ = chunked_triton(*x, chunk=64)
     want_out, want_s, _ = gd.chunked(*x)
     torch.testing.assert_close(out64, want_out, **TOL)
@@ -61,7 +51,7 @@ def test_varlen_batch_right_padded_as_the_engine_does():
     ([P, T, H, D] transposed, not contiguous): each sequence's outputs and final state equal its own
     unpadded reference run; the padding leaves the states unchanged."""
     lens, h, dk, dv = [3, 64, 29, 90], 2, 16, 16
-    per_seq = [_inputs(1, h, n, dk, dv, seed=10 + i) for i, n in enumerate(lens)]
+    per_seq = [delta_inputs(1, h, n, dk, dv, seed=10 + i) for i, n in enumerate(lens)]
 
     def padded(j: int) -> torch.Tensor:  # [P, H, T_max, ...] as deltanet's pad(): a strided view
         parts = [x[j][0].transpose(0, 1) for x in per_seq]  # [T, H, ...]
@@ -82,7 +72,7 @@ def test_captures_equal_the_reference_and_shorter_runs():
     end, none for one sequence) equal the reference's captures and the final state of a run over
     that many tokens."""
     t = 100
-    x = _inputs(3, 2, t, 16, 16, seed=21)
+    x = delta_inputs(3, 2, t, 16, 16, seed=21)
     points = [(2, t), (0, 1), (2, 64), (0, 16), (2, 65), (0, 63), (2, 7), (0, t - 3)]
     out, final, captured = chunked_triton(*x, capture=points)
     want_out, want_final, want_captured = gd.chunked(*x, capture=points)
@@ -100,7 +90,7 @@ def test_prefill_in_pieces_then_decode_steps():
     """A prompt scanned in two pieces (the second from the first's state), then single recurrent
     steps, all Triton, equals the reference scan over the whole sequence: chunked prefill resuming
     from a slot, then decode."""
-    q, k, v, decay, beta, state = _inputs(2, 2, 45, 16, 16, seed=30)
+    q, k, v, decay, beta, state = delta_inputs(2, 2, 45, 16, 16, seed=30)
     want_out, want_final, _ = gd.chunked(q, k, v, decay, beta, state)
     cut, steps = 23, 40
     a, s, _ = chunked_triton(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], decay[:, :, :cut], beta[:, :, :cut], state)
@@ -118,7 +108,7 @@ def test_prefill_in_pieces_then_decode_steps():
 def test_recurrent_step_matches_reference(b, h, dk, dv):
     """One decode step for a batch: same output and new state as the reference; the input state is
     left as it was."""
-    x = _inputs(b, h, 1, dk, dv, seed=b + h)
+    x = delta_inputs(b, h, 1, dk, dv, seed=b + h)
     q, k, v, decay, beta = (t[:, :, 0] for t in x[:5])  # token 0 of each sequence
     state = x[5]
     before = state.clone()
@@ -131,10 +121,10 @@ def test_recurrent_step_matches_reference(b, h, dk, dv):
 
 def test_zero_length_and_padding_only():
     """T = 0 returns the state unchanged; a sequence that is all padding keeps its state exactly."""
-    x = _inputs(1, 2, 0, 16, 16)
+    x = delta_inputs(1, 2, 0, 16, 16)
     out, final, _ = chunked_triton(*x)
     assert out.shape == (1, 2, 0, 16) and torch.equal(final, x[5])
-    q, k, v, decay, beta, state = _inputs(1, 2, 9, 16, 16, seed=2)
+    q, k, v, decay, beta, state = delta_inputs(1, 2, 9, 16, 16, seed=2)
     zeros = [F.pad(t[:, :, :0], (0, 0, 0, 9)) for t in (q, k, v)] + [torch.zeros(1, 2, 9)] * 2
     _, final, _ = chunked_triton(*zeros, state)
     torch.testing.assert_close(final, state, atol=0, rtol=0)
@@ -142,7 +132,7 @@ def test_zero_length_and_padding_only():
 
 def test_bad_inputs_are_refused():
     """Non-fp32 inputs, a mis-shaped state and captures outside the sequence get clear errors."""
-    q, k, v, decay, beta, state = _inputs(1, 1, 8, 16, 16)
+    q, k, v, decay, beta, state = delta_inputs(1, 1, 8, 16, 16)
     with pytest.raises(ValueError, match="fp32"):
         chunked_triton(q.bfloat16(), k, v, decay, beta, state)
     with pytest.raises(ValueError, match="state must be"):
