@@ -299,6 +299,31 @@ class Indexer:
             self.proc.wait(10)
 
 
+def _wait_subscribed(indexer: Indexer, proc) -> None:  # noqa: ANN001 - the server fixture's process
+    """llm-d's subscriber connects in the background and misses what is published before: send
+    fresh two-block prompts until one is indexed."""
+    deadline = time.monotonic() + 60
+    probe = 0
+    while True:
+        probe += 1
+        warm = [probe % 50 + 900] + [(probe * 13 + j) % 800 + 30 for j in range(2 * BS - 1)]
+        _complete(proc, [warm])
+        time.sleep(0.3)
+        if indexer.prefix(warm) == 2:
+            return
+        assert time.monotonic() < deadline, "llm-d's indexer never indexed anything"
+
+
+def _wait_indexed(indexer: Indexer, prompts: list[list[int]]) -> None:
+    """Each prompt's full blocks are found on the pod within 20 s."""
+    for p in prompts:
+        want = len(p) // BS
+        deadline = time.monotonic() + 20
+        while indexer.prefix(p) != want:
+            assert time.monotonic() < deadline, (p, indexer.prefix(p), want)
+            time.sleep(0.1)
+
+
 @pytest.mark.slow  # a real server process, and a Go build on the first run
 def test_llmd_indexer_itself_indexes_a_real_engine(llmd_server, llmd_indexer_binary):
     """llm-d's own indexer (built from github.com/llm-d/llm-d-kv-cache v0.5.0: its ZMQ subscriber,
@@ -307,26 +332,10 @@ def test_llmd_indexer_itself_indexes_a_real_engine(llmd_server, llmd_indexer_bin
     proc, port = llmd_server
     indexer = Indexer(llmd_indexer_binary, f"tcp://127.0.0.1:{port}")
     try:
-        # Its subscriber connects in the background and misses what is published before: send
-        # fresh prompts until one is indexed.
-        deadline = time.monotonic() + 60
-        probe = 0
-        while True:
-            probe += 1
-            warm = [probe % 50 + 900] + [(probe * 13 + j) % 800 + 30 for j in range(2 * BS - 1)]
-            _complete(proc, [warm])
-            time.sleep(0.3)
-            if indexer.prefix(warm) == 2:
-                break
-            assert time.monotonic() < deadline, "llm-d's indexer never indexed anything"
+        _wait_subscribed(indexer, proc)
         prompts = _prompts(41)
         _complete(proc, prompts)
-        for p in prompts:
-            want = len(p) // BS
-            deadline = time.monotonic() + 20
-            while indexer.prefix(p) != want:
-                assert time.monotonic() < deadline, (p, indexer.prefix(p), want)
-                time.sleep(0.1)
+        _wait_indexed(indexer, prompts)
         assert indexer.prefix(prompts[0], model="another-model") == 0  # keys are per model
         assert indexer.prefix(prompts[0], pod="10.244.0.99") == 0
         assert indexer.prefix([3, 1, 4, 1] + prompts[0]) == 0
@@ -418,23 +427,9 @@ def test_llmd_indexer_itself_ignores_a_hybrid_engines_checkpoints(hybrid_llmd_se
     proc, port = hybrid_llmd_server
     indexer = Indexer(llmd_indexer_prebuilt, f"tcp://127.0.0.1:{port}")
     try:
-        deadline = time.monotonic() + 60
-        probe = 0
-        while True:
-            probe += 1
-            warm = [probe % 50 + 900] + [(probe * 13 + j) % 800 + 30 for j in range(2 * BS - 1)]
-            _complete(proc, [warm])
-            time.sleep(0.3)
-            if indexer.prefix(warm) == 2:
-                break
-            assert time.monotonic() < deadline, "llm-d's indexer never indexed anything"
+        _wait_subscribed(indexer, proc)
         prompts = _hybrid_prompts(57)
         _complete(proc, prompts)
-        for p in prompts:
-            want = len(p) // BS
-            deadline = time.monotonic() + 20
-            while indexer.prefix(p) != want:
-                assert time.monotonic() < deadline, (p, indexer.prefix(p), want)
-                time.sleep(0.1)
+        _wait_indexed(indexer, prompts)
     finally:
         indexer.close()
