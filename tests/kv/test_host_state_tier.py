@@ -43,11 +43,18 @@ def _publish(m: HybridStateManager, conv, ssm, h: bytes, value: float) -> int:
     return idx
 
 
-def test_evicted_checkpoint_moves_to_host_and_back_with_its_bytes():
-    m, host = _manager(4)
+def _published(host_slots: int, n: int):
+    """A manager with ``host_slots`` host slots after checkpoints 0..n-1 were published in order
+    (checkpoint i filled with i + 1): (manager, host tier, device conv, device ssm)."""
+    m, host = _manager(host_slots)
     conv, ssm = _pool()
-    for i in range(3):  # the third evicts the first (LRU) into the host tier
+    for i in range(n):
         _publish(m, conv, ssm, _h(i), float(i + 1))
+    return m, host, conv, ssm
+
+
+def test_evicted_checkpoint_moves_to_host_and_back_with_its_bytes():
+    m, host, conv, ssm = _published(4, 3)  # the third evicts the first (LRU) into the host tier
     assert host.has(_h(0)) and _h(0) not in m.checkpoints and host.stats.stored == 1
     assert torch.equal(host.ssm[host._lru[_h(0)]], torch.full(SSM, 1.0))
     m.check_integrity()
@@ -65,10 +72,7 @@ def test_evicted_checkpoint_moves_to_host_and_back_with_its_bytes():
 
 
 def test_cancelled_promotion_gives_everything_back():
-    m, host = _manager(4)
-    conv, ssm = _pool()
-    for i in range(3):
-        _publish(m, conv, ssm, _h(i), float(i + 1))
+    m, host, conv, ssm = _published(4, 3)
     blocks, entry = m.hit([_h(0)], 1)
     assert blocks == 1
     m.cancel(entry)
@@ -77,20 +81,14 @@ def test_cancelled_promotion_gives_everything_back():
 
 
 def test_host_lru_evicts_and_drops_when_full():
-    m, host = _manager(1)
-    conv, ssm = _pool()
-    for i in range(4):
-        _publish(m, conv, ssm, _h(i), float(i + 1))
+    m, host, conv, ssm = _published(1, 4)
     # Device holds 2 and 3; the host's single slot went to 0, then 1 evicted it.
     assert host.hashes() == {_h(1)} and host.stats.evictions == 1 and host.stats.stored == 2
     m.check_integrity()
 
 
 def test_recomputed_checkpoint_drops_the_host_copy():
-    m, host = _manager(4)
-    conv, ssm = _pool()
-    for i in range(3):
-        _publish(m, conv, ssm, _h(i), float(i + 1))
+    m, host, conv, ssm = _published(4, 3)
     assert host.has(_h(0))
     _publish(m, conv, ssm, _h(0), 1.0)  # captured again on the device: one copy only
     assert not host.has(_h(0)) and _h(0) in m.checkpoints
