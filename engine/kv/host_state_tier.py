@@ -39,6 +39,7 @@ import torch
 
 from kvmesh.engine.block_hash import BlockHash
 from .block_pool import KVIntegrityError
+from .host_copy import HostCopier
 from .host_tier import TierStats
 
 
@@ -62,8 +63,7 @@ class HostStateTier:
         self._quarantine: list[int] = []
         self._saves: dict[int, int] = {}  # host slot -> device entry, pending until flush
         self._loads: list[tuple[int, int]] = []  # (host slot, device entry), pending until flush
-        self._stream = torch.cuda.Stream(device) if pin else None
-        self._inflight: list[tuple[torch.cuda.Event, tuple[torch.Tensor, torch.Tensor]]] = []
+        self._copies = HostCopier(device)
         self.stats = TierStats()
         self.on_stored: Callable[[list[BlockHash]], None] | None = None
         self.on_removed: Callable[[list[BlockHash]], None] | None = None
@@ -157,27 +157,9 @@ class HostStateTier:
             slots = torch.tensor(list(self._saves), dtype=torch.int64)
             ids = torch.tensor(list(self._saves.values()), dtype=torch.int64, device=ckpt_conv.device)
             self._saves.clear()
-            conv = ckpt_conv.index_select(1, ids).movedim(1, 0)
-            ssm = ckpt_ssm.index_select(1, ids).movedim(1, 0)
-            if self._stream is None:
-                self.conv.index_copy_(0, slots, conv)
-                self.ssm.index_copy_(0, slots, ssm)
-            else:
-                # CUDA: gathered on the compute stream (ordered before the forward that reuses
-                # the entries), copied to pinned memory on a side stream; the gathered tensors
-                # stay referenced until their event completes.
-                conv, ssm = conv.contiguous(), ssm.contiguous()
-                done = torch.cuda.Event()
-                self._stream.wait_stream(torch.cuda.current_stream(ckpt_conv.device))
-                with torch.cuda.stream(self._stream):
-                    for i, slot in enumerate(slots.tolist()):
-                        self.conv[slot].copy_(conv[i], non_blocking=True)
-                        self.ssm[slot].copy_(ssm[i], non_blocking=True)
-                    done.record(self._stream)
-                self._inflight.append((done, (conv, ssm)))
-        for done, _ in self._inflight:
-            done.synchronize()  # a promoted slot may have been saved this very step
-        self._inflight.clear()
+            self._copies.save([self.conv, self.ssm], [ckpt_conv.index_select(1, ids).movedim(1, 0),
+                                                      ckpt_ssm.index_select(1, ids).movedim(1, 0)], slots)
+        self._copies.wait()  # a promoted slot may have been saved this very step
         loads, self._loads = self._loads, []
         self._free.extend(self._quarantine)
         self._quarantine.clear()

@@ -35,6 +35,7 @@ import torch
 
 from kvmesh.engine.block_hash import BlockHash
 from .block_pool import KVBlock, KVIntegrityError
+from .host_copy import HostCopier
 from .events import TIER_CPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventHandler
 
 
@@ -88,8 +89,7 @@ class HostTier:
         self._quarantine: list[int] = []
         self._saves: dict[int, int] = {}  # slot -> primary block id, pending until flush
         self._loads: list[tuple[int, int]] = []  # (slot, primary block id), pending until flush
-        self._stream = torch.cuda.Stream(device) if pin else None
-        self._inflight: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # CUDA: D2H copies not yet done
+        self._copies = HostCopier(device)
         self.stats = TierStats()
 
     # ---- queries ------------------------------------------------------------------------------
@@ -203,28 +203,12 @@ class HostTier:
         slots = torch.tensor(list(self._saves), dtype=torch.int64)
         ids = torch.tensor(list(self._saves.values()), dtype=torch.int64, device=kv_cache.device)
         self._saves.clear()
-        gathered = kv_cache.index_select(2, ids).movedim(2, 0)  # [n, layers, 2, ...]
-        if self._stream is None:
-            self.data.index_copy_(0, slots, gathered)
-            return
-        # CUDA: the gather ran on the compute stream (ordered before the forward that reuses the
-        # blocks); the copies to pinned memory run on a side stream. `gathered` stays referenced
-        # until its event has completed.
-        gathered = gathered.contiguous()
-        done = torch.cuda.Event()
-        self._stream.wait_stream(torch.cuda.current_stream(kv_cache.device))
-        with torch.cuda.stream(self._stream):
-            for i, slot in enumerate(slots.tolist()):
-                self.data[slot].copy_(gathered[i], non_blocking=True)
-            done.record(self._stream)
-        self._inflight.append((done, gathered))
+        self._copies.save([self.data], [kv_cache.index_select(2, ids).movedim(2, 0)], slots)  # [n, layers, 2, ...]
 
     def take_loads(self) -> tuple[torch.Tensor, list[int]] | None:
         """The pending loads as (host tensor [n, layers, 2, ...], target primary block ids), and
         the quarantined slots back to the free list. Call after ``flush_saves``."""
-        for done, _ in self._inflight:
-            done.synchronize()  # a promoted slot may have been saved this very step
-        self._inflight.clear()
+        self._copies.wait()  # a promoted slot may have been saved this very step
         loads, self._loads = self._loads, []
         self._free.extend(self._quarantine)
         self._quarantine.clear()
