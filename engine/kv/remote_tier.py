@@ -237,29 +237,15 @@ class RemoteTier:
         n = len(block_ids)
         if not n:
             return None
-        size = n * self.layout.nbytes
-        clients = self._clients()
-        with self._lock:
-            room = self._inflight_bytes + size <= self.max_inflight_bytes
-            if clients is None or not room:
-                self.stats.dropped += n
-                return None
-            self._inflight_bytes += size
-        # One gather: [n, layers, 2, block_size, heads, dim], each row one block's wire payload.
-        data = gather_blocks(kv_cache, block_ids)
-        flat = as_bytes(data).reshape(n, -1)
-        blocks = [WireBlock(BlockHeader(self.layout, h, p), flat[i]) for i, (h, p) in enumerate(zip(hashes, parents))]
-        try:
-            fut = clients[1].put(blocks, self.timeout)
-        except TransferError as e:  # ClientBusy
-            with self._lock:
-                self._inflight_bytes -= size
-                self.stats.dropped += n
-            self._failed(e, count=False)
-            return None
-        # `data` must outlive the put: the callback holds it until the future is done.
-        fut.add_done_callback(lambda f, data=data: self._saved(f, n, size, data))
-        return fut
+
+        def wire() -> tuple[list[WireBlock], Any]:
+            # One gather: [n, layers, 2, block_size, heads, dim], each row one block's wire payload.
+            data = gather_blocks(kv_cache, block_ids)
+            flat = as_bytes(data).reshape(n, -1)
+            return [WireBlock(BlockHeader(self.layout, h, p), flat[i])
+                    for i, (h, p) in enumerate(zip(hashes, parents))], data
+
+        return self._put(n, n * self.layout.nbytes, wire, self.stats)
 
     def save_states(self, ckpt_conv: torch.Tensor, ckpt_ssm: torch.Tensor, entries: Sequence[int],
                     hashes: Sequence[BlockHash]) -> concurrent.futures.Future | None:
@@ -269,24 +255,35 @@ class RemoteTier:
         n = len(entries)
         if not n or self.state_layout is None:
             return None
-        size = n * self.state_layout.nbytes
+        layout = self.state_layout
+
+        def wire() -> tuple[list[WireBlock], Any]:
+            data = gather_entries(ckpt_conv, ckpt_ssm, entries)
+            return [WireBlock(BlockHeader(layout, h, None), data[i]) for i, h in enumerate(hashes)], data
+
+        return self._put(n, n * layout.nbytes, wire, self.state_stats)
+
+    def _put(self, n: int, size: int, wire: Callable[[], tuple[list[WireBlock], Any]],
+             stats: TierStats) -> concurrent.futures.Future | None:
+        """Admit ``size`` bytes under the in-flight bound (else drop and count ``n`` in ``stats``),
+        gather with ``wire`` (blocks, and the buffer they view, kept alive until the put is done)
+        and start the put without waiting."""
         clients = self._clients()
         with self._lock:
             if clients is None or self._inflight_bytes + size > self.max_inflight_bytes:
-                self.state_stats.dropped += n
+                stats.dropped += n
                 return None
             self._inflight_bytes += size
-        data = gather_entries(ckpt_conv, ckpt_ssm, entries)
-        blocks = [WireBlock(BlockHeader(self.state_layout, h, None), data[i]) for i, h in enumerate(hashes)]
+        blocks, data = wire()
         try:
             fut = clients[1].put(blocks, self.timeout)
         except TransferError as e:  # ClientBusy
             with self._lock:
                 self._inflight_bytes -= size
-                self.state_stats.dropped += n
+                stats.dropped += n
             self._failed(e, count=False)
             return None
-        fut.add_done_callback(lambda f, data=data: self._saved(f, n, size, data, self.state_stats))
+        fut.add_done_callback(lambda f, data=data: self._saved(f, n, size, data, stats))
         return fut
 
     def _saved(self, fut: concurrent.futures.Future, n: int, size: int, _data: Any,
