@@ -48,13 +48,20 @@ _tried = False
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _DECODE_ARGS = [_P] * 4 + [_I64, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I]
+_RMS_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I, _F, _I]
+_ROPE_ARGS = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I, _P, _P, _I64, _I, _I, _I, _I]
+_SILU_ARGS = [_P, _I64, _P, _I64, _I, _I]
+# The fused elementwise kernels exist in these dtypes (suffix of their C names).
+_ELEMENTWISE = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _SIGNATURES = {  # C prototypes; keep in step with csrc/
     "kvmesh_decode_attention_f32": _DECODE_ARGS,
     "kvmesh_decode_attention_bf16": _DECODE_ARGS,
-    "kvmesh_rms_norm_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I, _F, _I],
-    "kvmesh_rope_write_kv_bf16": [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I,
-                                  _P, _P, _I64, _I, _I, _I, _I],
-    "kvmesh_silu_mul_bf16": [_P, _I64, _P, _I64, _I, _I],
+    "kvmesh_rms_norm_bf16": _RMS_ARGS,
+    "kvmesh_rms_norm_f32": _RMS_ARGS,
+    "kvmesh_rope_write_kv_bf16": _ROPE_ARGS,
+    "kvmesh_rope_write_kv_f32": _ROPE_ARGS,
+    "kvmesh_silu_mul_bf16": _SILU_ARGS,
+    "kvmesh_silu_mul_f32": _SILU_ARGS,
     "kvmesh_extend_attention_bf16": [_P] * 4 + [_I64, _I, _P, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I],
     "kvmesh_decode_step_bf16": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I],
     "kvmesh_argmax_bf16": [_P, _I64, _I64, _I64, _P, _I],
@@ -264,7 +271,12 @@ def decode_step_cpu(
 
 def _bf16_rows(x: torch.Tensor) -> bool:
     """A bf16 CPU matrix whose rows are contiguous (any row stride)."""
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1
+    return _rows(x, torch.bfloat16)
+
+
+def _rows(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A CPU matrix of ``dtype`` whose rows are contiguous (any row stride)."""
+    return x.device.type == "cpu" and x.dtype == dtype and x.dim() == 2 and x.stride(1) == 1
 
 
 def rms_norm_cpu(
@@ -273,17 +285,19 @@ def rms_norm_cpu(
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Same contract as `rmsnorm.rms_norm_ref`; native for bf16 [T, hidden] with a bf16 weight."""
+    """Same contract as `rmsnorm.rms_norm_ref`; native for bf16 or fp32 [T, hidden] with a weight
+    of the same dtype."""
     _check_rms_inputs(x, weight, residual)
-    lib = load_library()
-    if (lib is None or not _bf16_rows(x) or weight.dtype != torch.bfloat16 or not weight.is_contiguous()
+    dt = x.dtype
+    lib = load_library() if dt in _ELEMENTWISE else None
+    if (lib is None or not _rows(x, dt) or weight.dtype != dt or not weight.is_contiguous()
             or weight.shape != (x.shape[1],)
-            or (residual is not None and (not _bf16_rows(residual) or residual.shape != x.shape))):
+            or (residual is not None and (not _rows(residual, dt) or residual.shape != x.shape))):
         return rms_norm_ref(x, weight, eps, residual)
     t, n = x.shape
-    out = torch.empty((t, n), dtype=torch.bfloat16)
-    h = torch.empty((t, n), dtype=torch.bfloat16) if residual is not None else None
-    lib.kvmesh_rms_norm_bf16(
+    out = torch.empty((t, n), dtype=dt)
+    h = torch.empty((t, n), dtype=dt) if residual is not None else None
+    getattr(lib, "kvmesh_rms_norm_" + _ELEMENTWISE[dt])(
         x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
         residual.stride(0) if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
         h.data_ptr() if h is not None else None, t, n, float(eps), torch.get_num_threads())
@@ -300,15 +314,16 @@ def rope_write_kv_cpu(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `rope.rope_write_kv_ref`; native for bf16 tensors whose heads are
-    contiguous rows (q, k, v may be column slices of one fused projection)."""
+    """Same contract as `rope.rope_write_kv_ref`; native for bf16 or fp32 tensors whose heads
+    are contiguous rows (q, k, v may be column slices of one fused projection)."""
     _check_rope_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-    lib = load_library()
+    dt = q.dtype
+    lib = load_library() if dt in _ELEMENTWISE else None
     ok = (
         lib is not None and q.dim() == 3 and k.dim() == 3 and v.shape == k.shape
-        and all(a.device.type == "cpu" and a.dtype == torch.bfloat16 for a in (q, k, v))
+        and all(a.device.type == "cpu" and a.dtype == dt for a in (q, k, v))
         and all(a.stride(2) == 1 and a.stride(1) == a.shape[2] for a in (q, k, v))
-        and _paged_cache_ok(k_cache, v_cache, torch.bfloat16)
+        and _paged_cache_ok(k_cache, v_cache, dt)
         and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[1] == q.shape[2]
         and positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
         and k.shape[1:] == k_cache.shape[2:]
@@ -317,11 +332,11 @@ def rope_write_kv_cpu(
         return rope_write_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     t, hq, d = q.shape
     hkv = k.shape[1]
-    q_rot = torch.empty((t, hq, d), dtype=torch.bfloat16)
-    k_rot = torch.empty((t, hkv, d), dtype=torch.bfloat16)
+    q_rot = torch.empty((t, hq, d), dtype=dt)
+    k_rot = torch.empty((t, hkv, d), dtype=dt)
     pos, slots = positions.contiguous(), slot_mapping.contiguous()
     cb, cs, ch, _ = k_cache.stride()
-    lib.kvmesh_rope_write_kv_bf16(
+    getattr(lib, "kvmesh_rope_write_kv_" + _ELEMENTWISE[dt])(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), pos.data_ptr(),
         cos_sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cb, cs, ch,
         k_cache.shape[1], q_rot.data_ptr(), k_rot.data_ptr(), t, hq, hkv, d, torch.get_num_threads())
@@ -329,14 +344,15 @@ def rope_write_kv_cpu(
 
 
 def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
-    """Same contract as `activation.silu_mul_ref`; native for bf16 [T, 2 * I]."""
-    lib = load_library()
-    if lib is None or not _bf16_rows(gate_up) or gate_up.shape[1] % 2:
+    """Same contract as `activation.silu_mul_ref`; native for bf16 or fp32 [T, 2 * I]."""
+    dt = gate_up.dtype
+    lib = load_library() if dt in _ELEMENTWISE else None
+    if lib is None or not _rows(gate_up, dt) or gate_up.shape[1] % 2:
         return silu_mul_ref(gate_up)
     t, i2 = gate_up.shape
-    out = torch.empty((t, i2 // 2), dtype=torch.bfloat16)
-    lib.kvmesh_silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, i2 // 2,
-                             torch.get_num_threads())
+    out = torch.empty((t, i2 // 2), dtype=dt)
+    getattr(lib, "kvmesh_silu_mul_" + _ELEMENTWISE[dt])(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t,
+                                                        i2 // 2, torch.get_num_threads())
     return out
 
 

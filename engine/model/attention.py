@@ -57,8 +57,8 @@ class AttentionBackend:
     """Chooses between the Triton kernels (CUDA) and their torch references (CPU).
 
     Both implement the same contract (engine/kernels/__init__.py); the engine
-    picks one at start-up and every layer uses it. On CPU, attention and the bf16
-    elementwise ops run the native C kernels (`native_cpu`; each falls back to its
+    picks one at start-up and every layer uses it. On CPU, attention and the bf16 and
+    fp32 elementwise ops run the native C kernels (`native_cpu`; each falls back to its
     torch reference where it cannot be built or does not apply). Host-side lengths
     from the metadata are passed down so no kernel reads sequence lengths back from
     the device (which would also break CUDA graph capture).

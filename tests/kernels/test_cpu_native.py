@@ -162,11 +162,51 @@ def test_silu_mul_bf16_is_bit_exact():
     assert torch.equal(nat.silu_mul_cpu(gu), silu_mul_ref(gu))
 
 
-def test_wrappers_fall_back_for_fp32():
+def test_rms_norm_and_silu_fp32_match_reference():
+    """fp32 has native kernels too: the same operations, reduction and exp orders aside."""
     g = torch.Generator().manual_seed(4)
-    x, w = torch.randn(4, 64, generator=g), torch.randn(64, generator=g)
+    for rows, hidden in ((1, 64), (37, 576), (300, 100)):
+        x, w = 3 * torch.randn(rows, hidden, generator=g), torch.randn(hidden, generator=g)
+        res = torch.randn(rows, hidden, generator=g)
+        for r in (None, res):
+            got, h = nat.rms_norm_cpu(x, w, 1e-5, r)
+            want, h_want = rms_norm_ref(x, w, 1e-5, r)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+            assert (h is None) if r is None else torch.equal(h, h_want)
+        wide = torch.randn(rows, hidden + 8, generator=g)
+        torch.testing.assert_close(nat.rms_norm_cpu(wide[:, :hidden], w, 1e-6)[0],
+                                   rms_norm_ref(wide[:, :hidden], w, 1e-6)[0], atol=1e-6, rtol=1e-5)
+    gu = 4 * torch.randn(50, 2 * 1000, generator=g)
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    torch.testing.assert_close(nat.silu_mul_cpu(gu), silu_mul_ref(gu), atol=1e-6, rtol=1e-5)
+    wide = torch.randn(3, 2 * 100 + 5, generator=g)[:, :200]
+    torch.testing.assert_close(nat.silu_mul_cpu(wide), silu_mul_ref(wide), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_rope_write_kv_fp32_is_bit_exact(block_size):
+    g = torch.Generator().manual_seed(block_size)
+    t, hq, hkv, head_dim = 70, 9, 3, 64
+    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, generator=g)
+    q = qkv[:, : hq * head_dim].view(t, hq, head_dim)
+    k = qkv[:, hq * head_dim:(hq + hkv) * head_dim].view(t, hkv, head_dim)
+    v = qkv[:, (hq + hkv) * head_dim:].view(t, hkv, head_dim)
+    cos_sin = build_cos_sin_cache(head_dim, 8192, 10000.0)
+    positions = torch.randint(0, 8192, (t,), generator=g)
+    num_blocks = 256 // block_size + 8
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    caches = [torch.zeros(num_blocks, block_size, hkv, head_dim) for _ in range(4)]
+    got = nat.rope_write_kv_cpu(q, k, v, positions, cos_sin, caches[0], caches[1], slots)
+    want = rope_write_kv_ref(q, k, v, positions, cos_sin, caches[2], caches[3], slots)
+    for a, b in zip((*got, caches[0], caches[1]), (*want, caches[2], caches[3])):
+        assert torch.equal(a, b)
+
+
+def test_wrappers_fall_back_for_other_dtypes():
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(4, 64, generator=g).half(), torch.randn(64, generator=g).half()
     assert torch.equal(nat.rms_norm_cpu(x, w, 1e-6)[0], rms_norm_ref(x, w, 1e-6)[0])
-    gu = torch.randn(4, 128, generator=g)
+    gu = torch.randn(4, 128, generator=g).half()
     assert torch.equal(nat.silu_mul_cpu(gu), silu_mul_ref(gu))
 
 

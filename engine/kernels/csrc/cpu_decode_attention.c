@@ -185,6 +185,126 @@ static void decode_seq_dispatch(const uint16_t *q, const uint16_t *k, const uint
 }
 #endif
 
+#ifdef KVMESH_HAVE_AVX512F
+/* fp32 path for one sequence and kv heads [h0, h1): the bf16 path's three passes with fp32
+ * rows and FMAs (scores 16 tokens at a time, softmax weights kept in fp32, out = p.V by FMA
+ * of the broadcast weight). Memory-bound like the bf16 path, so it prefetches the same way;
+ * the portable loop below reads one row at a time and runs at about half its rate.
+ * Requires D % 16 == 0. scratch: scores (h1 - h0) * G * L floats, L + 16 offsets. */
+static inline __attribute__((always_inline)) void
+decode_seq_f32_avx512(const float *q, const float *k, const float *v, const int32_t *bt, int L, int G, int D,
+                      int block_size, int64_t sb, int64_t ss, int64_t sh, int h0, int h1, float scale,
+                      float *out, float *scores, int64_t *offs) {
+    const int J = D / 16, H = h1 - h0, QH = H * G;
+    const int64_t row_lines = ((int64_t)H * sh * 4 + 63) / 64;
+    for (int t = 0, blk = 0, slot = 0; t < L; t++) {
+        offs[t] = (int64_t)bt[blk] * sb + (int64_t)slot * ss + (int64_t)h0 * sh;
+        if (++slot == block_size) { slot = 0; blk++; }
+    }
+    for (int t = L; t < L + 16; t++) offs[t] = L > 0 ? offs[0] : 0;
+#define KVMESH_PREFETCH_CHUNK_F32(base, t0)                                                    \
+    for (int t_ = (t0); t_ < (t0) + 16 && t_ < L; t_++)                                        \
+        for (int64_t c_ = 0; c_ < row_lines; c_++)                                             \
+            _mm_prefetch((const char *)((base) + offs[t_]) + 64 * c_, _MM_HINT_T1);
+    __m512 vmax[MAX_QH];
+    for (int r = 0; r < QH; r++) vmax[r] = _mm512_set1_ps(-INFINITY);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int t0 = 0; t0 < L; t0 += 16) {
+        const __mmask16 m = mask16(L - t0);
+        KVMESH_PREFETCH_CHUNK_F32(k, t0 + 16)
+        KVMESH_PREFETCH_CHUNK_F32(v, t0 + 16)
+        for (int hh = 0; hh < H; hh++)
+            for (int g = 0; g < G; g++) {
+                const int r = hh * G + g;
+                __m512 qv[MAX_D / 16];
+                for (int j = 0; j < J; j++) qv[j] = _mm512_loadu_ps(q + (int64_t)r * D + 16 * j);
+                __m512 dots[16];
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++) {
+                    const float *kr = k + offs[t0 + i] + hh * sh;
+                    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+                    for (int j = 1; j < J; j++) a = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kr + 16 * j), a);
+                    dots[i] = a;
+                }
+                __m512 sc = _mm512_mul_ps(kvmesh_hsum16(dots), vscale);
+                vmax[r] = _mm512_mask_max_ps(vmax[r], m, vmax[r], sc);
+                _mm512_mask_storeu_ps(scores + (int64_t)r * L + t0, m, sc);
+            }
+    }
+    float inv[MAX_QH];
+    for (int r = 0; r < QH; r++) {
+        __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[r]));
+        __m512 sum = _mm512_setzero_ps();
+        float *sr = scores + (int64_t)r * L;
+        for (int t0 = 0; t0 < L; t0 += 16) {
+            const __mmask16 m = mask16(L - t0);
+            __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sr + t0), mx)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_mask_storeu_ps(sr + t0, m, e);
+        }
+        float den = _mm512_reduce_add_ps(sum);
+        inv[r] = den > 0.f ? 1.f / den : 0.f;
+    }
+    __m512 acc[MAX_QH][MAX_D / 16];
+    for (int r = 0; r < QH; r++)
+        for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int t0 = 0; t0 < L; t0 += 16) {
+        const int n = L - t0 < 16 ? L - t0 : 16;
+        KVMESH_PREFETCH_CHUNK_F32(v, t0 + 32)
+        for (int hh = 0; hh < H; hh++) {
+            __m512 o[MAX_G][MAX_D / 16];
+            for (int g = 0; g < G; g++)
+                for (int j = 0; j < J; j++) o[g][j] = acc[hh * G + g][j];
+            for (int i = 0; i < n; i++) {
+                const float *vr = v + offs[t0 + i] + hh * sh;
+                __m512 vv[MAX_D / 16];
+                for (int j = 0; j < J; j++) vv[j] = _mm512_loadu_ps(vr + 16 * j);
+                for (int g = 0; g < G; g++) {
+                    const __m512 w = _mm512_set1_ps(scores[(int64_t)(hh * G + g) * L + t0 + i]);
+                    for (int j = 0; j < J; j++) o[g][j] = _mm512_fmadd_ps(w, vv[j], o[g][j]);
+                }
+            }
+            for (int g = 0; g < G; g++)
+                for (int j = 0; j < J; j++) acc[hh * G + g][j] = o[g][j];
+        }
+    }
+#undef KVMESH_PREFETCH_CHUNK_F32
+    for (int r = 0; r < QH; r++) {
+        const __m512 w = _mm512_set1_ps(inv[r]);
+        for (int j = 0; j < J; j++) _mm512_storeu_ps(out + (int64_t)r * D + 16 * j, _mm512_mul_ps(acc[r][j], w));
+    }
+}
+
+#define DECODE_F32_SPECIALIZED(DC, GC)                                                              \
+    static void decode_f32_d##DC##_g##GC(const float *q, const float *k, const float *v, const int32_t *bt, \
+                                         int L, int bsz, int64_t sb, int64_t ss, int64_t sh, int h0,  \
+                                         int h1, float scale, float *out, float *sc, int64_t *of) {   \
+        decode_seq_f32_avx512(q, k, v, bt, L, GC, DC, bsz, sb, ss, sh, h0, h1, scale, out, sc, of);   \
+    }
+#define DECODE_F32_FOR_D(DC) DECODE_F32_SPECIALIZED(DC, 1) DECODE_F32_SPECIALIZED(DC, 2) \
+    DECODE_F32_SPECIALIZED(DC, 3) DECODE_F32_SPECIALIZED(DC, 4) DECODE_F32_SPECIALIZED(DC, 5) \
+    DECODE_F32_SPECIALIZED(DC, 6) DECODE_F32_SPECIALIZED(DC, 7) DECODE_F32_SPECIALIZED(DC, 8)
+DECODE_F32_FOR_D(64)
+DECODE_F32_FOR_D(128)
+
+typedef void (*decode_f32_fn)(const float *, const float *, const float *, const int32_t *, int, int, int64_t,
+                              int64_t, int64_t, int, int, float, float *, float *, int64_t *);
+#define DECODE_F32_TABLE(DC) {decode_f32_d##DC##_g1, decode_f32_d##DC##_g2, decode_f32_d##DC##_g3, \
+    decode_f32_d##DC##_g4, decode_f32_d##DC##_g5, decode_f32_d##DC##_g6, decode_f32_d##DC##_g7, decode_f32_d##DC##_g8}
+static const decode_f32_fn decode_f32_d64[8] = DECODE_F32_TABLE(64);
+static const decode_f32_fn decode_f32_d128[8] = DECODE_F32_TABLE(128);
+
+static void decode_f32_dispatch(const float *q, const float *k, const float *v, const int32_t *bt, int L, int G,
+                                int D, int bsz, int64_t sb, int64_t ss, int64_t sh, int h0, int h1, float scale,
+                                float *out, float *sc, int64_t *of) {
+    const decode_f32_fn *table = D == 64 ? decode_f32_d64 : D == 128 ? decode_f32_d128 : NULL;
+    if (table != NULL && G >= 1 && G <= 8)
+        table[G - 1](q, k, v, bt, L, bsz, sb, ss, sh, h0, h1, scale, out, sc, of);
+    else
+        decode_seq_f32_avx512(q, k, v, bt, L, G, D, bsz, sb, ss, sh, h0, h1, scale, out, sc, of);
+}
+#endif
+
 /* Shared body; LOAD converts one cache/query element to float. */
 #define DECODE_BODY(T, LOAD, STORE)                                                            \
     int64_t pairs = (int64_t)B * Hkv;                                                          \
@@ -250,6 +370,33 @@ void kvmesh_decode_attention_f32(const float *q, const float *k, const float *v,
                                  const int32_t *seq_lens, float *out, int B, int Hq, int Hkv, int D,
                                  int block_size, int64_t sb, int64_t ss, int64_t sh, float scale,
                                  int num_threads) {
+#ifdef KVMESH_HAVE_AVX512F
+    if (D % 16 == 0 && D <= MAX_D && Hq / Hkv <= MAX_G) {
+        int G = Hq / Hkv;
+        /* Work items as in the bf16 path: whole sequences when there are enough of them. */
+        int heads_per_item = (B >= 4 * num_threads && Hq <= MAX_QH) ? Hkv : 1;
+        int items_per_seq = Hkv / heads_per_item;
+        int64_t items = (int64_t)B * items_per_seq;
+        int max_len = 1;
+        for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+#pragma omp parallel num_threads(num_threads)
+        {
+            float *sc = (float *)malloc(sizeof(float) * (size_t)heads_per_item * G * max_len);
+            int64_t *of = (int64_t *)malloc(sizeof(int64_t) * ((size_t)max_len + 16));
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < items; it++) {
+                int b = (int)(it / items_per_seq), h0 = (int)(it % items_per_seq) * heads_per_item;
+                decode_f32_dispatch(q + ((int64_t)b * Hq + (int64_t)h0 * G) * D, k, v,
+                                    block_tables + (int64_t)b * bt_stride, seq_lens[b], G, D, block_size, sb, ss,
+                                    sh, h0, h0 + heads_per_item, scale,
+                                    out + ((int64_t)b * Hq + (int64_t)h0 * G) * D, sc, of);
+            }
+            free(sc);
+            free(of);
+        }
+        return;
+    }
+#endif
     DECODE_BODY(float, LOAD_F32, STORE_F32)
 }
 

@@ -6,7 +6,8 @@
  * in fp32 and rounds its result to nearest even), so outputs match the references
  * bit for bit except where an fp32 reduction order (RMSNorm's mean) or exp differs
  * in the last place before a rounding. Rows are independent: large batches are
- * split over threads, small ones (decode) run on the calling thread.
+ * split over threads, small ones (decode) run on the calling thread. fp32 versions
+ * of the three follow them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -142,6 +143,93 @@ void kvmesh_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, uint16_t *out, 
             float x = bf2f(g[i]);
             o[i] = f2bf(round_bf(x / (1.f + expf(-x))) * bf2f(u[i]));
         }
+#endif
+    }
+}
+
+/* fp32 versions of the three kernels above: the same operations with no rounding steps
+ * (torch's fp32 references round only to fp32), multiply and add kept apart as torch keeps
+ * them (no contraction into FMAs), loops the compiler vectorizes. */
+#define KVMESH_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+
+KVMESH_NO_CONTRACT void kvmesh_rms_norm_f32(const float *x, int64_t x_stride, const float *res, int64_t res_stride,
+                                            const float *weight, float *out, float *h_out, int64_t T, int N,
+                                            float eps, int num_threads) {
+    int nt = (int64_t)T * N >= PARALLEL_MIN_ELEMS ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * x_stride;
+        float *yr = out + t * N;
+        const float *hsrc = xr;
+        float ss = 0.f;
+        if (res) {
+            const float *rr = res + t * res_stride;
+            float *hr = h_out + t * N;
+#pragma omp simd reduction(+ : ss)
+            for (int i = 0; i < N; i++) {
+                float h = xr[i] + rr[i];
+                hr[i] = h;
+                ss += h * h;
+            }
+            hsrc = hr;
+        } else {
+#pragma omp simd reduction(+ : ss)
+            for (int i = 0; i < N; i++) ss += xr[i] * xr[i];
+        }
+        float rs = 1.0f / sqrtf(ss / (float)N + eps);
+#pragma omp simd
+        for (int i = 0; i < N; i++) yr[i] = weight[i] * (hsrc[i] * rs);
+    }
+}
+
+KVMESH_NO_CONTRACT void kvmesh_rope_write_kv_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                                                 const float *v, int64_t v_stride, const int64_t *positions,
+                                                 const float *cos_sin, const int64_t *slots, float *k_cache,
+                                                 float *v_cache, int64_t cb, int64_t cs, int64_t ch, int block_size,
+                                                 float *q_out, float *k_out, int64_t T, int Hq, int Hkv, int D,
+                                                 int num_threads) {
+    const int half = D / 2;
+    int nt = (int64_t)T * (Hq + 2 * Hkv) * D >= PARALLEL_MIN_ELEMS ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_sin + positions[t] * D, *sn = c + half;
+        const int64_t slot = slots[t];
+        const int64_t base = (slot / block_size) * cb + (slot % block_size) * cs;
+        for (int h = 0; h < Hq + Hkv; h++) {
+            const int is_q = h < Hq;
+            const float *src = is_q ? q + t * q_stride + (int64_t)h * D : k + t * k_stride + (int64_t)(h - Hq) * D;
+            float *dst = is_q ? q_out + (t * Hq + h) * D
+                       : k_out ? k_out + (t * Hkv + (h - Hq)) * D : k_cache + base + (int64_t)(h - Hq) * ch;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                float x1 = src[i], x2 = src[half + i];
+                dst[i] = x1 * c[i] + (-x2) * sn[i];
+                dst[half + i] = x2 * c[i] + x1 * sn[i];
+            }
+            if (!is_q && k_out) memcpy(k_cache + base + (int64_t)(h - Hq) * ch, dst, (size_t)D * 4);
+        }
+        for (int h = 0; h < Hkv; h++)
+            memcpy(v_cache + base + (int64_t)h * ch, v + t * v_stride + (int64_t)h * D, (size_t)D * 4);
+    }
+}
+
+KVMESH_NO_CONTRACT void kvmesh_silu_mul_f32(const float *gu, int64_t gu_stride, float *out, int64_t T, int I,
+                                            int num_threads) {
+    int nt = (int64_t)T * I >= PARALLEL_MIN_ELEMS_SILU ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * gu_stride, *u = g + I;
+        float *o = out + t * I;
+#ifdef KVMESH_HAVE_AVX512F
+        for (int i = 0; i < I; i += 16) {
+            __mmask16 m = mask16(I - i);
+            __m512 x = _mm512_maskz_loadu_ps(m, g + i);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+            _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
+        }
+#else
+        for (int i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 #endif
     }
 }

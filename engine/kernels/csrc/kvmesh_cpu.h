@@ -1,6 +1,7 @@
 /* Helpers shared by the native CPU kernels: bf16 <-> fp32 conversion with torch's
- * rounding (to nearest even, NaN preserved) and, where the compiler targets
- * AVX512-BF16, 16-lane versions of the same plus a vectorized exp. */
+ * rounding (to nearest even, NaN preserved); where the compiler targets AVX512F, a
+ * vectorized exp and a 16-way horizontal sum, and with AVX512-BF16 16-lane versions of
+ * the conversions. */
 #ifndef KVMESH_CPU_H
 #define KVMESH_CPU_H
 
@@ -37,26 +38,12 @@ void kvmesh_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const ui
 /* Round an fp32 value to bf16 and back: the value a torch bf16 op would hold. */
 static inline float round_bf(float f) { return bf2f(f2bf(f)); }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
-#define KVMESH_HAVE_AVX512_BF16 1
+#define KVMESH_HAVE_AVX512F 1
 
 /* Lanes [0, n) of 16, n <= 16. */
 static inline __mmask16 mask16(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
-
-static inline __m512 load16(const uint16_t *p, __mmask16 m) {
-    __m256i h = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline void store16(uint16_t *p, __m512 x, __mmask16 m) {
-    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
-}
-
-/* bf16-rounded value of x, kept in fp32 lanes. */
-static inline __m512 round16(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
 
 /* exp(x): 2^(x log2 e) with a degree-6 polynomial on the reduced argument (relative
  * error ~2e-7); 0 below -87.3 (so exp(-inf) = 0), +inf above ~88.7 as expf. */
@@ -92,6 +79,23 @@ static inline __m512 kvmesh_hsum16(__m512 *v) {
                              _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
-#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define KVMESH_HAVE_AVX512_BF16 1
+
+static inline __m512 load16(const uint16_t *p, __mmask16 m) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store16(uint16_t *p, __m512 x, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+/* bf16-rounded value of x, kept in fp32 lanes. */
+static inline __m512 round16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+#endif /* AVX512-BF16 */
+#endif /* AVX512F */
 
 #endif
