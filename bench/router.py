@@ -123,9 +123,10 @@ class SystemResult:
 
 
 async def replay(url: str, engine_urls: list[str], model: str, trace: list[Conversation], max_tokens: int,
-                 name: str) -> SystemResult:
+                 name: str, raw: list[RequestResult] | None = None) -> SystemResult:
+    """Replay ``trace`` against ``url``; ``raw``, when given, receives every request's result."""
     q0, h0 = prefix_counters(engine_urls)
-    results: list[RequestResult] = []
+    results: list[RequestResult] = [] if raw is None else raw
     limits = httpx.Limits(max_connections=len(trace) + 8, max_keepalive_connections=len(trace) + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
         t0 = time.perf_counter()

@@ -6,14 +6,25 @@ Runs `--prefill-steps` steps from the start (the prompts' prefill chunks), then
 milliseconds per step of each part. Timers add a little Python per call.
 
     python bench/step_profile.py
+
+`--interference`: a decode step that shares its step with a prefill chunk. `--streams`
+sequences decode; a cold `--long-prompt`-token prompt arrives; every step until its prefill ends
+is timed with its parts, for each `--budgets` value of max_num_batched_tokens. The same prompt is
+then prefilled alone on an idle engine, so each mixed step is set against the decode-only step
+plus the chunk on its own: what a stream waits for, and what mixing itself costs.
+
+    python bench/step_profile.py --interference --threads 1 --dtype float32
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import time
 from typing import Callable
+
+import torch
 
 from throughput import random_prompts
 
@@ -49,14 +60,98 @@ def report(title: str, acc: collections.Counter, seconds: float, steps: int) -> 
         print(f"  {key:14s} {1e3 * total / steps:8.2f} ms")
 
 
+def _timed_step(eng: LLMEngine, acc: collections.Counter) -> tuple[float, dict[str, float]]:
+    acc.clear()
+    t0 = time.perf_counter()
+    eng.step()
+    return time.perf_counter() - t0, dict(acc)
+
+
+def _parts(parts: dict[str, float]) -> str:
+    return ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+
+
+def interference(args: argparse.Namespace) -> None:
+    """Decode steps against mixed steps (decodes + a prefill chunk) and the chunk alone."""
+    from kvmesh.engine.model.loader import load_model
+
+    dtype = getattr(torch, args.dtype)
+    loaded = load_model("default", dtype)
+
+    def engine(budget: int) -> LLMEngine:  # each engine takes its own copy of the weights dict
+        return LLMEngine(EngineConfig(dtype=args.dtype, num_threads=args.threads, max_num_batched_tokens=budget,
+                                      enable_prefix_caching=False),
+                         loaded=dataclasses.replace(loaded, weights=dict(loaded.weights)))
+
+    for budget in [int(b) for b in args.budgets.split(",")]:
+        eng = engine(budget)
+        acc: collections.Counter = collections.Counter()
+        instrument(eng, acc)
+        streams = random_prompts(args.streams, args.stream_prompt, args.stream_prompt, loaded.config.vocab_size, seed=1)
+        long_prompt = random_prompts(1, args.long_prompt, args.long_prompt, loaded.config.vocab_size, seed=2)[0]
+        params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(streams):
+            eng.add_request(f"s{i}", prompt_token_ids=p, params=params)
+        for _ in range(args.warmup):
+            eng.step()
+        decode = [_timed_step(eng, acc) for _ in range(args.decode_steps)]
+        dms = sorted(1e3 * t for t, _ in decode)[len(decode) // 2]
+        dparts = {k: sorted(p.get(k, 0.0) for _, p in decode)[len(decode) // 2] for k in decode[0][1]}
+        print(f"budget {budget}: decode-only step ({args.streams} streams): median {dms:.1f} ms [{_parts(dparts)}]")
+        eng.add_request("long", prompt_token_ids=long_prompt, params=SamplingParams(max_tokens=1, temperature=0.0))
+        mixed = []
+        done = False
+        while not done:
+            before = next((r.num_computed_tokens for r in eng.scheduler.running if r.request_id == "long"), 0)
+            acc.clear()
+            t0 = time.perf_counter()
+            outs = eng.step()
+            t = time.perf_counter() - t0
+            done = any(o.request_id == "long" and o.finished for o in outs)
+            after = next((r.num_computed_tokens for r in eng.scheduler.running if r.request_id == "long"),
+                         len(long_prompt))
+            mixed.append((after - before, t, dict(acc)))
+        # The same chunks with no decode beside them, on an idle engine of the same shape.
+        alone = engine(budget)
+        acc2: collections.Counter = collections.Counter()
+        instrument(alone, acc2)
+        alone.add_request("warm", prompt_token_ids=long_prompt[:64], params=SamplingParams(max_tokens=2))
+        while alone.has_unfinished_requests():
+            alone.step()
+        alone.add_request("long", prompt_token_ids=long_prompt, params=SamplingParams(max_tokens=1, temperature=0.0))
+        solo = []
+        while alone.has_unfinished_requests():
+            solo.append(_timed_step(alone, acc2))
+        print("  step | chunk tokens | mixed ms | chunk alone ms | decode-only + alone ms | mixing overhead ms")
+        for i, (n, t, parts) in enumerate(mixed):
+            ta = solo[i][0] * 1e3 if i < len(solo) else float("nan")
+            print(f"  {i:4d} | {n:12d} | {1e3 * t:8.1f} | {ta:14.1f} | {dms + ta:22.1f} | {1e3 * t - dms - ta:8.1f}")
+            print(f"       mixed [{_parts(parts)}]")
+            if i < len(solo):
+                print(f"       alone [{_parts(solo[i][1])}]")
+        total = sum(t for _, t, _ in mixed)
+        worst = max(t for _, t, _ in mixed)
+        print(f"  prefill of {len(long_prompt)} tokens: {len(mixed)} mixed steps, {1e3 * total:.0f} ms; "
+              f"longest gap a stream sees {1e3 * worst:.0f} ms (decode-only {dms:.1f} ms)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prefill-steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=14)
     ap.add_argument("--decode-steps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--interference", action="store_true")
+    ap.add_argument("--streams", type=int, default=4, help="--interference: decoding sequences")
+    ap.add_argument("--stream-prompt", type=int, default=1200, help="--interference: their prompt tokens")
+    ap.add_argument("--long-prompt", type=int, default=1500, help="--interference: the arriving prompt")
+    ap.add_argument("--budgets", default="2048,512,256", help="--interference: max_num_batched_tokens values")
     args = ap.parse_args()
-    eng = LLMEngine(EngineConfig(dtype=args.dtype))
+    if args.interference:
+        interference(args)
+        return
+    eng = LLMEngine(EngineConfig(dtype=args.dtype, num_threads=args.threads))
     acc: collections.Counter = collections.Counter()
     instrument(eng, acc)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)

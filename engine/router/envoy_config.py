@@ -170,9 +170,15 @@ def gateway_config(listen: str, picker: str, body_mode: str = "FULL_DUPLEX_STREA
 def direct_config(listen: str, engine: str, admin: str | None = None) -> dict[str, Any]:
     """Envoy listening on ``listen`` straight to one engine (HOST:PORT): the baseline that the
     picker's added latency is measured against."""
+    return round_robin_config(listen, [engine], admin)
+
+
+def round_robin_config(listen: str, engines: Sequence[str], admin: str | None = None) -> dict[str, Any]:
+    """Envoy listening on ``listen`` in front of ``engines`` (HOST:PORT each), round-robin: the
+    plain load balancer that other serving stacks run behind (benchmarks compare against it)."""
     config: dict[str, Any] = {"static_resources": {
         "listeners": [_listener(listen, [_route(DIRECT_CLUSTER)], [_ROUTER])],
-        "clusters": [_static_cluster(DIRECT_CLUSTER, [engine])]}}
+        "clusters": [_static_cluster(DIRECT_CLUSTER, list(engines))]}}
     if admin:
         config["admin"] = {"address": _address(admin)}
     return config

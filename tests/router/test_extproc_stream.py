@@ -207,14 +207,15 @@ def test_the_router_flags_give_the_picker_port_and_the_shed_limit_and_refuse_non
 
 def test_the_envoy_config_in_the_docs_is_the_renderers_and_envoy_accepts_every_variant(tmp_path):
     """docs/gateway.md shows gateway_config's output verbatim; `envoy --mode validate` (when the
-    binary is here) accepts the config in each body mode, fail-open and the direct baseline."""
+    binary is here) accepts the config in each body mode, fail-open, the direct baseline and the
+    round-robin balancer the fleet benchmark puts in front of other engines."""
     import re
     import subprocess
     from pathlib import Path
 
     import yaml
 
-    from kvmesh.engine.router.envoy_config import BODY_MODES, direct_config, gateway_config
+    from kvmesh.engine.router.envoy_config import BODY_MODES, direct_config, gateway_config, round_robin_config
     from kvmesh.engine.util.envoy_proc import find_envoy
 
     doc = (Path(__file__).parents[2] / "docs" / "gateway.md").read_text()
@@ -225,7 +226,10 @@ def test_the_envoy_config_in_the_docs_is_the_renderers_and_envoy_accepts_every_v
         return
     configs = [gateway_config("127.0.0.1:1", "127.0.0.1:2", m, observer=o) for m in BODY_MODES for o in (True, False)]
     configs += [gateway_config("127.0.0.1:1", "127.0.0.1:2", "BUFFERED", failure_mode_allow=True,
-                               fallback=["127.0.0.1:3"]), direct_config("127.0.0.1:1", "127.0.0.1:3")]
+                               fallback=["127.0.0.1:3"]), direct_config("127.0.0.1:1", "127.0.0.1:3"),
+                round_robin_config("127.0.0.1:1", ["127.0.0.1:3", "127.0.0.1:4"])]
+    rr = round_robin_config("127.0.0.1:1", ["127.0.0.1:3", "127.0.0.1:4"])["static_resources"]["clusters"][0]
+    assert rr["lb_policy"] == "ROUND_ROBIN" and len(rr["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
     for i, c in enumerate(configs):
         path = tmp_path / f"{i}.yaml"
         path.write_text(yaml.safe_dump(c))

