@@ -91,6 +91,10 @@ class EngineConfig:
                                           help="disable prefix caching")
     enable_chunked_prefill: bool = setting(True, "--no-chunked-prefill", group=KV, action="store_false",
                                            help="disable chunked prefill")
+    tpot_slo_ms: float = setting(0.0, "--tpot-slo-ms", group=KV, type=float,
+                                 help="pace prefill chunks so that streams decoding beside them keep their mean "
+                                      "time per output token within this many ms where their slack allows "
+                                      "(engine/prefill_pacer.py; 0: off, the default)")
     attention_backend: str = setting("auto", "--attention-backend", group=MODEL,
                                      choices=("auto", "torch", "triton"), help="attention kernels (default: %(default)s)")
     cuda_graphs: bool = True
@@ -156,6 +160,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.tpot_slo_ms >= 0:  # also refuses NaN
+            raise ConfigError(f"tpot_slo_ms must be >= 0 (0: no pacing), got {self.tpot_slo_ms}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

@@ -44,6 +44,7 @@ from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.roles import DecodeClaim, Handoff, PrefillHandoff
 from kvmesh.engine.step_commands import Abort, Add, Call, Claim, StepCommand
 from kvmesh.engine.runner import ModelRunner
+from kvmesh.engine.prefill_pacer import PrefillPacer
 from kvmesh.engine.sampling import InvalidSamplingParams, SamplingParams
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.stream import RequestStream
@@ -241,8 +242,10 @@ class LLMEngine:
                                                   cfg.state_checkpoint_interval, host=host_states)
             self.state_slots.write_through = ckpts is not None and self.tiers is not None \
                 and self.tiers.remote is not None
+        self.pacer = PrefillPacer(cfg.tpot_slo_ms / 1e3) if cfg.tpot_slo_ms > 0 else None
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.enable_chunked_prefill, tiers=self.tiers, states=self.state_slots)
+                                   cfg.enable_chunked_prefill, tiers=self.tiers, states=self.state_slots,
+                                   pacer=self.pacer)
         self.prefill = PrefillRole(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout, self._on_step_thread,
                                    states=self.runner.states)
         """The prefill side of handoffs (engine/disagg/prefill_side.py); a hybrid model's final part
@@ -517,7 +520,7 @@ class LLMEngine:
         if self.has_timers():
             self._expire(time.monotonic())
         self._write_states()  # before scheduling: an admission may reuse a published entry
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(time.monotonic())
         if self.tiers is not None:
             self.tiers.flush()  # lower-tier saves and loads land before the forward pass
         if sched.is_empty:
@@ -531,7 +534,11 @@ class LLMEngine:
         plan = self._state_plan(sched)
         self._load_handoff_states(sched)
         try:
+            t_exec = time.perf_counter()
             result = self.runner.execute(sched, block_ids, plan)
+            if self.pacer is not None:
+                self.pacer.observe(sched.num_decodes, sched.num_batched_tokens - sched.num_decodes,
+                                   time.perf_counter() - t_exec)
         except Exception as exc:  # noqa: BLE001 - which request caused it is unknown: fail the batch
             if plan is not None:
                 self.state_slots.abort(plan)

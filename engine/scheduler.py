@@ -23,6 +23,10 @@ A prefill-role request whose KV streams to its decode engine chunk by chunk
 before the tail is computed, and pushed, one step before the first token, so what is left to
 push after it is the tail alone.
 
+With a ``PrefillPacer`` (``--tpot-slo-ms``) and chunked prefill, the prompt tokens of a step that
+carries decodes are cut to what the decoding streams' TPOT slack allows (at least the pacer's
+floor, so every prompt advances); the engine passes the step's start time to ``schedule``.
+
 A transferred request (decode role: its prompt's KV arrived from a prefill engine, with every
 block it will need reserved) joins through ``add_transferred``: it is admitted before waiting
 requests, as one decode token, and never picked as a preemption victim while another running
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 from kvmesh.engine.kv.kv_manager import CachedSegment, KVCacheManager
 from kvmesh.engine.kv.hybrid_state import HybridStateManager
 from kvmesh.engine.kv.tiers import KVTiers
+from kvmesh.engine.prefill_pacer import PrefillPacer
 from kvmesh.engine.request import Request, RequestStatus
 
 
@@ -90,8 +95,10 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         tiers: KVTiers | None = None,
         states: HybridStateManager | None = None,
+        pacer: PrefillPacer | None = None,
     ) -> None:
         self.kv = kv
+        self.pacer = pacer if enable_chunked_prefill else None
         self.tiers = tiers
         # Hybrid models: a running request holds a recurrent-state slot (admission to finish or
         # preemption); there are max_num_seqs slots, so a slot is always free to admit. A prefix
@@ -203,17 +210,26 @@ class Scheduler:
         self.add(req)
 
     # ---- one step ---------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """The next step's sequences. ``now`` (the engine's monotonic clock) enables pacing."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         if self._deferred:
             self._requeue_deferred()
         self.running.sort(key=Request.sort_key)
+        prefill_left = self._prefill_cap(now)  # prompt tokens this step may add (None: no cap)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = chunk_tokens(req.num_computed_tokens, req.num_tokens, budget, self.kv.block_size,
+            chunk_budget = budget
+            prefilling = req.num_tokens - req.num_computed_tokens > 1
+            if prefill_left is not None and prefilling:
+                if prefill_left <= 0:  # paced: this prompt waits a step; the decodes go on
+                    i += 1
+                    continue
+                chunk_budget = min(budget, prefill_left)
+            num_new = chunk_tokens(req.num_computed_tokens, req.num_tokens, chunk_budget, self.kv.block_size,
                                    self._tail(req))
             preempted_self = False
             while self.kv.allocate_slots(req.request_id, req.all_token_ids, num_new,
@@ -229,6 +245,8 @@ class Scheduler:
                 break
             scheduled.append(ScheduledSeq(req, num_new, req.num_computed_tokens))
             budget -= num_new
+            if prefill_left is not None and prefilling:
+                prefill_left -= num_new
             i += 1
 
         if not out.preempted:
@@ -246,7 +264,8 @@ class Scheduler:
                 self.running.append(req)
                 scheduled.append(ScheduledSeq(req, num_new, req.num_computed_tokens))
                 budget -= num_new
-            while budget > 0 and len(self.running) < self.max_num_seqs:
+            while (budget > 0 and len(self.running) < self.max_num_seqs
+                   and (prefill_left is None or prefill_left > 0)):
                 req = self._peek_waiting()
                 if req is None:
                     break
@@ -282,8 +301,9 @@ class Scheduler:
                 if num_new > budget and not self.enable_chunked_prefill and not req.output_token_ids:
                     self._cancel_hits(hits, restore)
                     break
-                num_new = chunk_tokens(num_computed + num_loaded, req.num_tokens, budget, self.kv.block_size,
-                                       self._tail(req))
+                num_new = chunk_tokens(num_computed + num_loaded, req.num_tokens,
+                                       budget if prefill_left is None else min(budget, prefill_left),
+                                       self.kv.block_size, self._tail(req))
                 blocks = self.kv.allocate_slots(
                     req.request_id, req.all_token_ids, num_new, computed_blocks, num_computed + num_loaded,
                     root=req.kv_root,
@@ -309,6 +329,8 @@ class Scheduler:
                 self.running.append(req)
                 scheduled.append(ScheduledSeq(req, num_new, num_computed + num_loaded))
                 budget -= num_new
+                if prefill_left is not None:
+                    prefill_left -= num_new
 
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         others = [s for s in scheduled if s.num_new_tokens != 1]
@@ -316,6 +338,15 @@ class Scheduler:
         out.num_decodes = len(decodes)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _prefill_cap(self, now: float | None) -> int | None:
+        """The pacer's prompt-token allowance beside the running decodes (None: no pacing)."""
+        if self.pacer is None or now is None:
+            return None
+        streams = [(r.metrics.first_token_time, len(r.output_token_ids)) for r in self.running
+                   if r.output_token_ids and r.metrics.first_token_time is not None
+                   and r.num_computed_tokens == r.num_tokens - 1]
+        return self.pacer.budget(now, streams) if streams else None
 
     def _tail(self, req: Request) -> int:
         h = req.handoff

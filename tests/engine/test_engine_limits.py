@@ -69,7 +69,7 @@ def test_generate_fails_loudly_when_engine_makes_no_progress(loaded, monkeypatch
     llm = _llm(loaded)
     calls = 0
 
-    def nothing() -> SchedulerOutput:
+    def nothing(now: float | None = None) -> SchedulerOutput:
         nonlocal calls
         calls += 1
         if calls > 1000:

@@ -137,6 +137,26 @@ def test_chunked_prefill(loaded, prompts, hf_reference):
     print(f"chunked prefill (budget 16): near ties {ties}")
 
 
+def test_prefill_paced_beside_decodes(loaded, prompts, hf_reference):
+    """A 1 ms TPOT target: the first step (no decodes yet) measures a per-token rate; from then on
+    every prompt chunk beside a decode is cut to the pacer's floor of 16 tokens (or is shorter: the
+    prompt's end), where the 64-token budget alone would allow up to 63."""
+    llm = _engine(loaded, max_num_batched_tokens=64, tpot_slo_ms=1.0)
+    chunks: list[int] = []
+    schedule = llm.engine.scheduler.schedule
+
+    def watched(now=None):
+        out = schedule(now)
+        if out.num_decodes:
+            chunks.extend(s.num_new_tokens for s in out.seqs if s.num_new_tokens > 1)
+        return out
+
+    llm.engine.scheduler.schedule = watched
+    ties = _compare(llm.generate(prompts, _params()), hf_reference)
+    assert chunks and max(chunks) == 16, chunks
+    print(f"paced prefill: near ties {ties}, prompt chunks beside decodes {chunks}")
+
+
 def test_preemption_tiny_pool(loaded, prompts, hf_reference):
     longest = max(len(p) for p in prompts) + MAX_NEW
     blocks = -(-longest // 16) + 2  # room for one long request and a little more
