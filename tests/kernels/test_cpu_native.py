@@ -135,12 +135,13 @@ def test_rms_norm_bf16_matches_reference(rows, hidden):
                                rms_norm_ref(wide[:, :hidden], w, 1e-6)[0].float(), atol=0, rtol=2 ** -6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 48)])
-def test_rope_write_kv_bf16_is_bit_exact(block_size, hq, hkv, head_dim):
+def test_rope_write_kv_is_bit_exact(dtype, block_size, hq, hkv, head_dim):
     g = torch.Generator().manual_seed(block_size + hq)
     t = 70
-    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, generator=g).bfloat16()
+    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, generator=g).to(dtype)
     q = qkv[:, : hq * head_dim].view(t, hq, head_dim)
     k = qkv[:, hq * head_dim:(hq + hkv) * head_dim].view(t, hkv, head_dim)
     v = qkv[:, (hq + hkv) * head_dim:].view(t, hkv, head_dim)
@@ -148,7 +149,7 @@ def test_rope_write_kv_bf16_is_bit_exact(block_size, hq, hkv, head_dim):
     positions = torch.randint(0, 8192, (t,), generator=g)
     num_blocks = 256 // block_size + 8
     slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
-    caches = [torch.zeros(num_blocks, block_size, hkv, head_dim, dtype=torch.bfloat16) for _ in range(4)]
+    caches = [torch.zeros(num_blocks, block_size, hkv, head_dim, dtype=dtype) for _ in range(4)]
     got = nat.rope_write_kv_cpu(q, k, v, positions, cos_sin, caches[0], caches[1], slots)
     want = rope_write_kv_ref(q, k, v, positions, cos_sin, caches[2], caches[3], slots)
     for a, b in zip((*got, caches[0], caches[1]), (*want, caches[2], caches[3])):
@@ -181,25 +182,6 @@ def test_rms_norm_and_silu_fp32_match_reference():
     torch.testing.assert_close(nat.silu_mul_cpu(gu), silu_mul_ref(gu), atol=1e-6, rtol=1e-5)
     wide = torch.randn(3, 2 * 100 + 5, generator=g)[:, :200]
     torch.testing.assert_close(nat.silu_mul_cpu(wide), silu_mul_ref(wide), atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_rope_write_kv_fp32_is_bit_exact(block_size):
-    g = torch.Generator().manual_seed(block_size)
-    t, hq, hkv, head_dim = 70, 9, 3, 64
-    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, generator=g)
-    q = qkv[:, : hq * head_dim].view(t, hq, head_dim)
-    k = qkv[:, hq * head_dim:(hq + hkv) * head_dim].view(t, hkv, head_dim)
-    v = qkv[:, (hq + hkv) * head_dim:].view(t, hkv, head_dim)
-    cos_sin = build_cos_sin_cache(head_dim, 8192, 10000.0)
-    positions = torch.randint(0, 8192, (t,), generator=g)
-    num_blocks = 256 // block_size + 8
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
-    caches = [torch.zeros(num_blocks, block_size, hkv, head_dim) for _ in range(4)]
-    got = nat.rope_write_kv_cpu(q, k, v, positions, cos_sin, caches[0], caches[1], slots)
-    want = rope_write_kv_ref(q, k, v, positions, cos_sin, caches[2], caches[3], slots)
-    for a, b in zip((*got, caches[0], caches[1]), (*want, caches[2], caches[3])):
-        assert torch.equal(a, b)
 
 
 def test_wrappers_fall_back_for_other_dtypes():

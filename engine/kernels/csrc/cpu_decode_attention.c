@@ -18,6 +18,36 @@
 #define MAX_D 256
 #define MAX_QH 32 /* query heads handled by one work item */
 
+#ifdef KVMESH_HAVE_AVX512F
+/* Element offsets of tokens [0, L) of heads [h0, ...) in the paged cache, then 16 more that
+ * repeat token 0: a partial last chunk reads token 0 again in its spare lanes (masked out),
+ * so the score loops have no bounds checks. */
+static inline void token_offsets(int64_t *offs, const int32_t *bt, int L, int block_size, int64_t sb,
+                                 int64_t ss, int64_t sh, int h0) {
+    for (int t = 0, blk = 0, slot = 0; t < L; t++) {
+        offs[t] = (int64_t)bt[blk] * sb + (int64_t)slot * ss + (int64_t)h0 * sh;
+        if (++slot == block_size) { slot = 0; blk++; }
+    }
+    for (int t = L; t < L + 16; t++) offs[t] = L > 0 ? offs[0] : 0;
+}
+
+/* Prefetch the rows of tokens [t0, t0 + 16) of a cache (uses offs, L and row_lines in scope). */
+#define KVMESH_PREFETCH_CHUNK(base, t0)                                                        \
+    for (int t_ = (t0); t_ < (t0) + 16 && t_ < L; t_++)                                        \
+        for (int64_t c_ = 0; c_ < row_lines; c_++)                                             \
+            _mm_prefetch((const char *)((base) + offs[t_]) + 64 * c_, _MM_HINT_T1);
+
+/* Work items of a batch: whole sequences (all kv heads) when there are enough of them to balance
+ * the threads (contiguous reads), else one item per (sequence, kv head); and the longest context,
+ * which sizes the per-thread scratch. */
+static inline void decode_items(int B, int Hq, int Hkv, const int32_t *seq_lens, int num_threads,
+                                int *heads_per_item, int *max_len) {
+    *heads_per_item = (B >= 4 * num_threads && Hq <= MAX_QH) ? Hkv : 1;
+    *max_len = 1;
+    for (int b = 0; b < B; b++) *max_len = seq_lens[b] > *max_len ? seq_lens[b] : *max_len;
+}
+#endif
+
 #ifdef KVMESH_HAVE_AVX512_BF16
 
 /* bf16 path for one sequence and kv heads [h0, h1), in three passes over the context:
@@ -36,17 +66,7 @@ decode_seq_avx512(const uint16_t *q, const uint16_t *k, const uint16_t *v, const
                   float scale, uint16_t *out, float *scores, uint16_t *pb, int64_t *offs) {
     const int J = D / 32, H = h1 - h0, QH = H * G;
     const int64_t row_lines = ((int64_t)H * sh * 2 + 63) / 64; /* cache lines of one token's heads */
-    for (int t = 0, blk = 0, slot = 0; t < L; t++) {
-        offs[t] = (int64_t)bt[blk] * sb + (int64_t)slot * ss + (int64_t)h0 * sh;
-        if (++slot == block_size) { slot = 0; blk++; }
-    }
-    /* A partial last chunk reads token 0 again in its spare lanes (masked out below), so
-     * the score loop has no bounds checks. */
-    for (int t = L; t < L + 16; t++) offs[t] = L > 0 ? offs[0] : 0;
-#define KVMESH_PREFETCH_CHUNK(base, t0)                                                        \
-    for (int t_ = (t0); t_ < (t0) + 16 && t_ < L; t_++)                                        \
-        for (int64_t c_ = 0; c_ < row_lines; c_++)                                             \
-            _mm_prefetch((const char *)((base) + offs[t_]) + 64 * c_, _MM_HINT_T1);
+    token_offsets(offs, bt, L, block_size, sb, ss, sh, h0);
 
     /* Pass 1: scores[r][t] = scale * q_r . k_t, and a running max per query head. */
     __m512 vmax[MAX_QH];
@@ -136,7 +156,6 @@ decode_seq_avx512(const uint16_t *q, const uint16_t *k, const uint16_t *v, const
                 for (int j = 0; j < 2 * J; j++) acc[hh * G + g][j] = o[g][j];
         }
     }
-#undef KVMESH_PREFETCH_CHUNK
     for (int r = 0; r < QH; r++) {
         __m512 w = _mm512_set1_ps(inv[r]);
         for (int j = 0; j < 2 * J; j++)
@@ -197,22 +216,14 @@ decode_seq_f32_avx512(const float *q, const float *k, const float *v, const int3
                       float *out, float *scores, int64_t *offs) {
     const int J = D / 16, H = h1 - h0, QH = H * G;
     const int64_t row_lines = ((int64_t)H * sh * 4 + 63) / 64;
-    for (int t = 0, blk = 0, slot = 0; t < L; t++) {
-        offs[t] = (int64_t)bt[blk] * sb + (int64_t)slot * ss + (int64_t)h0 * sh;
-        if (++slot == block_size) { slot = 0; blk++; }
-    }
-    for (int t = L; t < L + 16; t++) offs[t] = L > 0 ? offs[0] : 0;
-#define KVMESH_PREFETCH_CHUNK_F32(base, t0)                                                    \
-    for (int t_ = (t0); t_ < (t0) + 16 && t_ < L; t_++)                                        \
-        for (int64_t c_ = 0; c_ < row_lines; c_++)                                             \
-            _mm_prefetch((const char *)((base) + offs[t_]) + 64 * c_, _MM_HINT_T1);
+    token_offsets(offs, bt, L, block_size, sb, ss, sh, h0);
     __m512 vmax[MAX_QH];
     for (int r = 0; r < QH; r++) vmax[r] = _mm512_set1_ps(-INFINITY);
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int t0 = 0; t0 < L; t0 += 16) {
         const __mmask16 m = mask16(L - t0);
-        KVMESH_PREFETCH_CHUNK_F32(k, t0 + 16)
-        KVMESH_PREFETCH_CHUNK_F32(v, t0 + 16)
+        KVMESH_PREFETCH_CHUNK(k, t0 + 16)
+        KVMESH_PREFETCH_CHUNK(v, t0 + 16)
         for (int hh = 0; hh < H; hh++)
             for (int g = 0; g < G; g++) {
                 const int r = hh * G + g;
@@ -250,7 +261,7 @@ decode_seq_f32_avx512(const float *q, const float *k, const float *v, const int3
         for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();
     for (int t0 = 0; t0 < L; t0 += 16) {
         const int n = L - t0 < 16 ? L - t0 : 16;
-        KVMESH_PREFETCH_CHUNK_F32(v, t0 + 32)
+        KVMESH_PREFETCH_CHUNK(v, t0 + 32)
         for (int hh = 0; hh < H; hh++) {
             __m512 o[MAX_G][MAX_D / 16];
             for (int g = 0; g < G; g++)
@@ -268,7 +279,6 @@ decode_seq_f32_avx512(const float *q, const float *k, const float *v, const int3
                 for (int j = 0; j < J; j++) acc[hh * G + g][j] = o[g][j];
         }
     }
-#undef KVMESH_PREFETCH_CHUNK_F32
     for (int r = 0; r < QH; r++) {
         const __m512 w = _mm512_set1_ps(inv[r]);
         for (int j = 0; j < J; j++) _mm512_storeu_ps(out + (int64_t)r * D + 16 * j, _mm512_mul_ps(acc[r][j], w));
@@ -372,13 +382,10 @@ void kvmesh_decode_attention_f32(const float *q, const float *k, const float *v,
                                  int num_threads) {
 #ifdef KVMESH_HAVE_AVX512F
     if (D % 16 == 0 && D <= MAX_D && Hq / Hkv <= MAX_G) {
-        int G = Hq / Hkv;
-        /* Work items as in the bf16 path: whole sequences when there are enough of them. */
-        int heads_per_item = (B >= 4 * num_threads && Hq <= MAX_QH) ? Hkv : 1;
+        int G = Hq / Hkv, heads_per_item, max_len;
+        decode_items(B, Hq, Hkv, seq_lens, num_threads, &heads_per_item, &max_len);
         int items_per_seq = Hkv / heads_per_item;
         int64_t items = (int64_t)B * items_per_seq;
-        int max_len = 1;
-        for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
 #pragma omp parallel num_threads(num_threads)
         {
             float *sc = (float *)malloc(sizeof(float) * (size_t)heads_per_item * G * max_len);
@@ -407,14 +414,10 @@ void kvmesh_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const ui
                                   float scale, int num_threads) {
 #ifdef KVMESH_HAVE_AVX512_BF16
     if (D % 32 == 0 && D <= MAX_D) {
-        int G = Hq / Hkv;
-        /* Whole sequences per work item when there are enough of them to balance the threads
-         * (contiguous reads); otherwise one item per (sequence, kv head). */
-        int heads_per_item = (B >= 4 * num_threads && Hq <= MAX_QH) ? Hkv : 1;
+        int G = Hq / Hkv, heads_per_item, max_len;
+        decode_items(B, Hq, Hkv, seq_lens, num_threads, &heads_per_item, &max_len);
         int items_per_seq = Hkv / heads_per_item;
         int64_t items = (int64_t)B * items_per_seq;
-        int max_len = 1;
-        for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
 #pragma omp parallel num_threads(num_threads)
         {
             /* Per-thread scratch, reused across items: scores and row offsets. */
