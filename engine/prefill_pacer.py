@@ -11,8 +11,10 @@ slack of the streams it carries: stream r, with k output tokens of which the fir
 so the step may last ``min_r(tpot_slo_s * k_r - (now - first_r))``. Less the decode-only step time,
 that leaves room for ``room / prefill_s_per_token`` prompt tokens. Streams that ran faster than
 the target bank the difference, so a long prompt still advances, in larger chunks the more slack
-its neighbours have. At least ``min_tokens`` are granted whenever any prefill is scheduled, so a
-prompt always progresses, even while the decodes alone miss the target.
+its neighbours have. A stream whose slack is already below a decode-only step would miss the
+target even if no prompt ran beside it: it no longer constrains anyone (holding prompts back for
+it would cost their first tokens and buy nothing). At least ``min_tokens`` are granted whenever
+any prefill is scheduled, so a prompt always progresses.
 
 Both rates are learned from the engine's own steps (exponential moving averages): a decode-only
 step's seconds, and a mixed or prefill step's seconds beyond that, per prompt token. Until a
@@ -61,11 +63,14 @@ class PrefillPacer:
     def budget(self, now: float, streams: Iterable[tuple[float, int]]) -> int | None:
         """Prompt tokens this step may compute beside the decoding ``streams``, each given as
         (first token time, output tokens so far); None: no limit (no stream, or not measured)."""
-        slack = min((self.tpot_slo_s * k - (now - first) for first, k in streams), default=None)
-        if slack is None or self.prefill_s_per_token is None:
+        if self.prefill_s_per_token is None:
             return None
-        room = slack - (self.decode_step_s or 0.0)
-        return max(self.min_tokens, int(room / self.prefill_s_per_token)) if room > 0 else self.min_tokens
+        decode_s = self.decode_step_s or 0.0
+        slacks = [self.tpot_slo_s * k - (now - first) for first, k in streams]
+        room = min((sl - decode_s for sl in slacks if sl >= decode_s), default=None)
+        if room is None:  # no stream, or none that can still make the target
+            return None
+        return max(self.min_tokens, int(room / self.prefill_s_per_token))
 
 
 def _ewma(old: float | None, new: float, alpha: float) -> float:

@@ -138,10 +138,14 @@ def test_chunked_prefill(loaded, prompts, hf_reference):
 
 
 def test_prefill_paced_beside_decodes(loaded, prompts, hf_reference):
-    """A 1 ms TPOT target: the first step (no decodes yet) measures a per-token rate; from then on
-    every prompt chunk beside a decode is cut to the pacer's floor of 16 tokens (or is shorter: the
-    prompt's end), where the 64-token budget alone would allow up to 63."""
-    llm = _engine(loaded, max_num_batched_tokens=64, tpot_slo_ms=1.0)
+    """Pacing with its rates pinned (1 s per prompt token, decode steps free) and a 500 ms target:
+    every stream keeps its slack (steps here take well under 500 ms a token) and every slack is
+    worth fewer than 16 tokens, so each prompt chunk beside a decode is cut to the pacer's floor of
+    16 (or is the prompt's shorter end), where the 64-token budget alone would allow up to 63."""
+    llm = _engine(loaded, max_num_batched_tokens=64, tpot_slo_ms=500.0)
+    pacer = llm.engine.pacer
+    pacer.prefill_s_per_token, pacer.decode_step_s = 1.0, 0.0
+    pacer.observe = lambda *args: None
     chunks: list[int] = []
     schedule = llm.engine.scheduler.schedule
 

@@ -40,10 +40,19 @@ def test_rates_are_learned_from_decode_only_and_mixed_steps():
 def test_budget_is_the_smallest_slack_less_the_decode_step_in_prompt_tokens():
     p = _measured()
     now = 100.0
-    # Stream A: 10 tokens over 0.6 s at a 100 ms target -> 0.4 s of slack; B: 3 tokens, 0.25 s -> 0.05.
+    # Stream A: 10 tokens over 0.6 s at a 100 ms target -> 0.4 s of slack; B: 3 tokens over 0.22 s -> 0.08.
     assert p.budget(now, [(now - 0.6, 10)]) == int((0.4 - 0.05) / 0.001)
-    assert p.budget(now, [(now - 0.6, 10), (now - 0.25, 3)]) == p.min_tokens  # B has no room: the floor
+    assert 29 <= p.budget(now, [(now - 0.6, 10), (now - 0.22, 3)]) <= 30  # B leaves 30 ms: 30 tokens
+    assert p.budget(now, [(now - 0.6, 10), (now - 0.245, 3)]) == p.min_tokens  # B: 5 ms, under the floor
     assert p.budget(now, [(now - 0.1, 3)]) == int((0.2 - 0.05) / 0.001)
+
+
+def test_a_stream_that_would_miss_the_target_anyway_constrains_no_one():
+    p = _measured()
+    now = 100.0
+    # B: 3 tokens over 0.27 s: 30 ms of slack, less than one 50 ms decode step: lost either way.
+    assert p.budget(now, [(now - 0.6, 10), (now - 0.27, 3)]) == p.budget(now, [(now - 0.6, 10)])
+    assert p.budget(now, [(now - 0.27, 3)]) is None  # nobody left to protect: no cap
 
 
 def test_no_cap_without_streams_or_before_a_per_token_rate_is_measured():
@@ -59,6 +68,7 @@ def test_without_a_decode_only_step_mixed_steps_are_charged_to_their_prompt_toke
     p.observe(4, 100, 1.05)  # 50 ms of decodes inside, unknown: 10.5 ms per token, not 10
     assert p.prefill_s_per_token == pytest.approx(0.0105)
     assert p.budget(10.0, [(9.5, 10)]) == int(0.5 / 0.0105)  # no decode part subtracted either
+    assert p.budget(10.0, [(9.5, 5)]) == p.min_tokens  # no slack left, but no decode time known: kept
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, math.nan])
