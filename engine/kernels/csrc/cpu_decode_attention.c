@@ -37,14 +37,42 @@ static inline void token_offsets(int64_t *offs, const int32_t *bt, int L, int bl
         for (int64_t c_ = 0; c_ < row_lines; c_++)                                             \
             _mm_prefetch((const char *)((base) + offs[t_]) + 64 * c_, _MM_HINT_T1);
 
-/* Work items of a batch: whole sequences (all kv heads) when there are enough of them to balance
- * the threads (contiguous reads), else one item per (sequence, kv head); and the longest context,
- * which sizes the per-thread scratch. */
-static inline void decode_items(int B, int Hq, int Hkv, const int32_t *seq_lens, int num_threads,
-                                int *heads_per_item, int *max_len) {
-    *heads_per_item = (B >= 4 * num_threads && Hq <= MAX_QH) ? Hkv : 1;
-    *max_len = 1;
-    for (int b = 0; b < B; b++) *max_len = seq_lens[b] > *max_len ? seq_lens[b] : *max_len;
+/* One sequence's heads [h0, h1) in the AVX-512 paths (q and out point at that sequence's head h0;
+ * sc, pb and of are the calling thread's scratch, pb unused in fp32). */
+typedef void (*decode_item_fn)(const void *q, const void *k, const void *v, const int32_t *bt, int L, int G,
+                               int D, int bsz, int64_t sb, int64_t ss, int64_t sh, int h0, int h1, float scale,
+                               void *out, float *sc, void *pb, int64_t *of);
+
+/* Runs a batch's work items over the threads: whole sequences (all kv heads) when there are enough
+ * of them to balance the threads (contiguous reads), else one item per (sequence, kv head). Each
+ * thread allocates its scratch once for the longest context: scores, offsets and, with
+ * pb_elem > 0, the bf16 path's rounded weights. elem: bytes of a q/out element. */
+static void run_decode_items(decode_item_fn item, size_t elem, size_t pb_elem, const void *q, const void *k,
+                             const void *v, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                             void *out, int B, int Hq, int Hkv, int D, int block_size, int64_t sb, int64_t ss,
+                             int64_t sh, float scale, int num_threads) {
+    const int G = Hq / Hkv;
+    const int heads_per_item = (B >= 4 * num_threads && Hq <= MAX_QH) ? Hkv : 1;
+    const int items_per_seq = Hkv / heads_per_item;
+    const int64_t items = (int64_t)B * items_per_seq;
+    int max_len = 1;
+    for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *sc = (float *)malloc(sizeof(float) * (size_t)heads_per_item * G * max_len);
+        int64_t *of = (int64_t *)malloc(sizeof(int64_t) * ((size_t)max_len + 16));
+        void *pb = pb_elem ? malloc(pb_elem * (size_t)heads_per_item * G * (max_len + 16)) : NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            int b = (int)(it / items_per_seq), h0 = (int)(it % items_per_seq) * heads_per_item;
+            int64_t row = ((int64_t)b * Hq + (int64_t)h0 * G) * D;
+            item((const char *)q + row * elem, k, v, block_tables + (int64_t)b * bt_stride, seq_lens[b], G, D,
+                 block_size, sb, ss, sh, h0, h0 + heads_per_item, scale, (char *)out + row * elem, sc, pb, of);
+        }
+        free(sc);
+        free(of);
+        free(pb);
+    }
 }
 #endif
 
@@ -202,6 +230,13 @@ static void decode_seq_dispatch(const uint16_t *q, const uint16_t *k, const uint
     else
         decode_seq_generic(q, k, v, bt, L, G, D, bsz, sb, ss, sh, h0, h1, scale, out, sc, pb, of);
 }
+
+static void decode_bf16_item(const void *q, const void *k, const void *v, const int32_t *bt, int L, int G, int D,
+                             int bsz, int64_t sb, int64_t ss, int64_t sh, int h0, int h1, float scale, void *out,
+                             float *sc, void *pb, int64_t *of) {
+    decode_seq_dispatch((const uint16_t *)q, (const uint16_t *)k, (const uint16_t *)v, bt, L, G, D, bsz, sb, ss, sh,
+                        h0, h1, scale, (uint16_t *)out, sc, (uint16_t *)pb, of);
+}
 #endif
 
 #ifdef KVMESH_HAVE_AVX512F
@@ -313,6 +348,14 @@ static void decode_f32_dispatch(const float *q, const float *k, const float *v, 
     else
         decode_seq_f32_avx512(q, k, v, bt, L, G, D, bsz, sb, ss, sh, h0, h1, scale, out, sc, of);
 }
+
+static void decode_f32_item(const void *q, const void *k, const void *v, const int32_t *bt, int L, int G, int D,
+                            int bsz, int64_t sb, int64_t ss, int64_t sh, int h0, int h1, float scale, void *out,
+                            float *sc, void *pb, int64_t *of) {
+    (void)pb;
+    decode_f32_dispatch((const float *)q, (const float *)k, (const float *)v, bt, L, G, D, bsz, sb, ss, sh, h0, h1,
+                        scale, (float *)out, sc, of);
+}
 #endif
 
 /* Shared body; LOAD converts one cache/query element to float. */
@@ -382,25 +425,8 @@ void kvmesh_decode_attention_f32(const float *q, const float *k, const float *v,
                                  int num_threads) {
 #ifdef KVMESH_HAVE_AVX512F
     if (D % 16 == 0 && D <= MAX_D && Hq / Hkv <= MAX_G) {
-        int G = Hq / Hkv, heads_per_item, max_len;
-        decode_items(B, Hq, Hkv, seq_lens, num_threads, &heads_per_item, &max_len);
-        int items_per_seq = Hkv / heads_per_item;
-        int64_t items = (int64_t)B * items_per_seq;
-#pragma omp parallel num_threads(num_threads)
-        {
-            float *sc = (float *)malloc(sizeof(float) * (size_t)heads_per_item * G * max_len);
-            int64_t *of = (int64_t *)malloc(sizeof(int64_t) * ((size_t)max_len + 16));
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < items; it++) {
-                int b = (int)(it / items_per_seq), h0 = (int)(it % items_per_seq) * heads_per_item;
-                decode_f32_dispatch(q + ((int64_t)b * Hq + (int64_t)h0 * G) * D, k, v,
-                                    block_tables + (int64_t)b * bt_stride, seq_lens[b], G, D, block_size, sb, ss,
-                                    sh, h0, h0 + heads_per_item, scale,
-                                    out + ((int64_t)b * Hq + (int64_t)h0 * G) * D, sc, of);
-            }
-            free(sc);
-            free(of);
-        }
+        run_decode_items(decode_f32_item, sizeof(float), 0, q, k, v, block_tables, bt_stride, seq_lens, out, B, Hq,
+                         Hkv, D, block_size, sb, ss, sh, scale, num_threads);
         return;
     }
 #endif
@@ -414,28 +440,8 @@ void kvmesh_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const ui
                                   float scale, int num_threads) {
 #ifdef KVMESH_HAVE_AVX512_BF16
     if (D % 32 == 0 && D <= MAX_D) {
-        int G = Hq / Hkv, heads_per_item, max_len;
-        decode_items(B, Hq, Hkv, seq_lens, num_threads, &heads_per_item, &max_len);
-        int items_per_seq = Hkv / heads_per_item;
-        int64_t items = (int64_t)B * items_per_seq;
-#pragma omp parallel num_threads(num_threads)
-        {
-            /* Per-thread scratch, reused across items: scores and row offsets. */
-            float *sc = (float *)malloc(sizeof(float) * (size_t)heads_per_item * G * max_len);
-            int64_t *of = (int64_t *)malloc(sizeof(int64_t) * ((size_t)max_len + 16));
-            uint16_t *pb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)heads_per_item * G * (max_len + 16));
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < items; it++) {
-                int b = (int)(it / items_per_seq), h0 = (int)(it % items_per_seq) * heads_per_item;
-                decode_seq_dispatch(q + ((int64_t)b * Hq + (int64_t)h0 * G) * D, k, v,
-                                    block_tables + (int64_t)b * bt_stride, seq_lens[b], G, D, block_size,
-                                    sb, ss, sh, h0, h0 + heads_per_item, scale,
-                                    out + ((int64_t)b * Hq + (int64_t)h0 * G) * D, sc, pb, of);
-            }
-            free(sc);
-            free(of);
-            free(pb);
-        }
+        run_decode_items(decode_bf16_item, sizeof(uint16_t), sizeof(uint16_t), q, k, v, block_tables, bt_stride,
+                         seq_lens, out, B, Hq, Hkv, D, block_size, sb, ss, sh, scale, num_threads);
         return;
     }
 #endif
