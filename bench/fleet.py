@@ -111,10 +111,8 @@ class FleetResult:
 
 def slo_counts(results: list, ttft_s: float, tpot_s: float) -> tuple[int, int, int]:
     """(both met, TTFT met, TPOT met) over ``results``; a failed request meets neither."""
-    ok = [r for r in results if r.ok]
-    ttft = {id(r) for r in ok if r.ttft <= ttft_s}
-    tpot = {id(r) for r in ok if r.output_tokens < 2 or r.tpot <= tpot_s}
-    return len(ttft & tpot), len(ttft), len(tpot)
+    met = [(r.ttft <= ttft_s, r.output_tokens < 2 or r.tpot <= tpot_s) for r in results if r.ok]
+    return sum(a and b for a, b in met), sum(a for a, _ in met), sum(b for _, b in met)
 
 
 def run_kvmesh(args: argparse.Namespace, trace, policy: str, log_root: Path, cores: int,

@@ -60,11 +60,12 @@ def report(title: str, acc: collections.Counter, seconds: float, steps: int) -> 
         print(f"  {key:14s} {1e3 * total / steps:8.2f} ms")
 
 
-def _timed_step(eng: LLMEngine, acc: collections.Counter) -> tuple[float, dict[str, float]]:
+def _timed_step(eng: LLMEngine, acc: collections.Counter) -> tuple[float, dict[str, float], list]:
+    """One step: its seconds, its parts' seconds and its outputs."""
     acc.clear()
     t0 = time.perf_counter()
-    eng.step()
-    return time.perf_counter() - t0, dict(acc)
+    outs = eng.step()
+    return time.perf_counter() - t0, dict(acc), outs
 
 
 def _parts(parts: dict[str, float]) -> str:
@@ -95,22 +96,19 @@ def interference(args: argparse.Namespace) -> None:
         for _ in range(args.warmup):
             eng.step()
         decode = [_timed_step(eng, acc) for _ in range(args.decode_steps)]
-        dms = sorted(1e3 * t for t, _ in decode)[len(decode) // 2]
-        dparts = {k: sorted(p.get(k, 0.0) for _, p in decode)[len(decode) // 2] for k in decode[0][1]}
+        dms = sorted(1e3 * t for t, _, _ in decode)[len(decode) // 2]
+        dparts = {k: sorted(p.get(k, 0.0) for _, p, _ in decode)[len(decode) // 2] for k in decode[0][1]}
         print(f"budget {budget}: decode-only step ({args.streams} streams): median {dms:.1f} ms [{_parts(dparts)}]")
         eng.add_request("long", prompt_token_ids=long_prompt, params=SamplingParams(max_tokens=1, temperature=0.0))
         mixed = []
         done = False
         while not done:
             before = next((r.num_computed_tokens for r in eng.scheduler.running if r.request_id == "long"), 0)
-            acc.clear()
-            t0 = time.perf_counter()
-            outs = eng.step()
-            t = time.perf_counter() - t0
+            t, parts, outs = _timed_step(eng, acc)
             done = any(o.request_id == "long" and o.finished for o in outs)
             after = next((r.num_computed_tokens for r in eng.scheduler.running if r.request_id == "long"),
                          len(long_prompt))
-            mixed.append((after - before, t, dict(acc)))
+            mixed.append((after - before, t, parts))
         # The same chunks with no decode beside them, on an idle engine of the same shape.
         alone = engine(budget)
         acc2: collections.Counter = collections.Counter()
