@@ -2,9 +2,9 @@
 
 On CPU, oneDNN runs bf16 GEMMs about 25% faster when the weight is reordered
 once into its blocked layout instead of on every call (measured at M=64 and
-M=2048 on the 2-core dev machines), and fp32 GEMMs 1.3x (M=512) to 1.9x (M=4)
-faster than F.linear's BLAS call on one thread (bench/step_profile.py
---interference; docs/benchmarks.md). The packed path is an internal torch op,
+M=2048 on the 2-core dev machines); in fp32 on one thread the packed projections
+of a 4-sequence decode step take half of F.linear's BLAS time (bench/step_profile.py
+--interference, docs/benchmarks.md). The packed path is an internal torch op,
 so it is used only when it exists and reproduces F.linear on a probe in the
 model's dtype; the fp32 parity tests hold it to transformers' tokens.
 """
