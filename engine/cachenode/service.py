@@ -66,7 +66,7 @@ class CacheNodeHandler:
         try:
             await ch.send(protocol.PutWant([v is WANTED for v in verdicts]))
             try:
-                datas = await asyncio.wait_for(ch.recv_payloads([batch.layout.nbytes] * len(wanted)),
+                datas = await asyncio.wait_for(ch.recv_payloads([batch.layout.nbytes] * len(wanted), self.store.buffer),
                                                self.payload_timeout)
             except TimeoutError:
                 raise TransferTimeout(f"put payloads did not arrive within {self.payload_timeout:.0f}s") from None
@@ -76,8 +76,8 @@ class CacheNodeHandler:
             raise
         headers = batch.headers()
         statuses: list[str] = [v or "" for v in verdicts]
-        for i, data in zip(wanted, datas):
-            statuses[i] = self.store.commit(headers[i], data)
+        for i, status in zip(wanted, self.store.commit_many([headers[i] for i in wanted], datas)):
+            statuses[i] = status
         await ch.send(protocol.PutDone(statuses))
 
     async def _get(self, msg: protocol.Get, ch: Channel) -> None:

@@ -9,9 +9,11 @@ large, that never sends its bytes costs the cache nothing: it only waits out its
 
 Invariants (``check_integrity`` asserts them):
 
-* ``used_bytes <= capacity_bytes`` and ``reserved_bytes <= max_inflight_bytes`` at every point
-  (memory held: at most their sum); a block larger than the whole budget is refused
-  (``TOO_LARGE``), never stored; one offer reserves at most its ``max_bytes``;
+* ``used_bytes <= capacity_bytes`` and ``reserved_bytes <= max_inflight_bytes`` at every point;
+  evicted blocks' arrays nobody else holds are kept (at most ``max_inflight_bytes`` of them) to
+  receive later puts into, so memory held is at most capacity + 2 x the in-flight limit; a block
+  larger than the whole budget is refused (``TOO_LARGE``), never stored; one offer reserves at
+  most its ``max_bytes``;
 * a hash is held at most once, and is either stored or pending (in flight), never both;
 * the LRU order is: least recently stored/read first; ``lookup`` does not refresh recency
   (a probe is not a use), ``get`` does;
@@ -33,10 +35,11 @@ order the contents change, so an event log's snapshot always matches the store.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -88,6 +91,17 @@ class StoreStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+@dataclass
+class _News:
+    """What one ``commit_many`` changed and has not announced yet."""
+
+    evicted: list[BlockHash] = field(default_factory=list)
+    states: list[BlockHash] = field(default_factory=list)
+    stored: list[BlockHeader] = field(default_factory=list)
+    stored_keys: set[EntryKey] = field(default_factory=set)
+    count: int = 0
+
+
 @dataclass(frozen=True)
 class StoredBlock:
     header: BlockHeader
@@ -111,6 +125,8 @@ class BlockStore:
         self._pending: dict[EntryKey, BlockLayout] = {}
         self._used = 0
         self._reserved = 0
+        self._spare: dict[int, list[np.ndarray]] = {}
+        self._spare_bytes = 0
         self.stats = StoreStats()
 
     # ---- two-phase put ------------------------------------------------------------------------
@@ -159,26 +175,96 @@ class BlockStore:
 
     def commit(self, header: BlockHeader, data: np.ndarray) -> str:
         """Store a block ``offer`` wanted; its reservation becomes used bytes. Returns ``STORED``."""
+        return self.commit_many([header], [data])[0]
+
+    def commit_many(self, headers: Sequence[BlockHeader], datas: Sequence[np.ndarray]) -> list[str]:
+        """``commit`` each block, in order, under one lock, with their events merged: one
+        ``BlockRemoved`` for the room made (before anything it makes room for is announced) and one
+        ``BlockStored`` per run of blocks that continue each other's chain. Stops at the first
+        block that raises; the ones before it stay stored and announced.
+
+        Why batched: a put of hundreds of blocks announced one event at a time woke the event
+        publisher's thread hundreds of times, and the handler waited on the GIL for it."""
         with self._lock:
-            key = entry_key(header.layout, header.block_hash)
-            layout = self._pending.pop(key, None)
-            if layout is None:
-                raise KeyError(f"block {header.block_hash.hex()[:16]} was not offered (or was abandoned)")
-            self._reserved -= layout.nbytes
-            if header.layout != layout or data.nbytes != layout.nbytes:
-                self.stats.rejected_headers += 1
-                check_layout(layout, header.layout)
-                raise HeaderMismatch("buffers", f"{layout.nbytes} bytes", f"{data.nbytes} bytes")
-            self._make_room(data.nbytes)
-            self._blocks[key] = StoredBlock(header, data)
-            self._used += data.nbytes
-            self.stats.puts += 1
-            self.stats.put_bytes += data.nbytes
-            if isinstance(key, bytes):
-                self._emit(BlockStored([header.block_hash], header.parent_hash, [], layout.block_size, TIER_REMOTE))
-            else:
-                self._emit(checkpoint_stored([header.block_hash], layout.block_size, TIER_REMOTE))
-            return STORED
+            news = _News()
+            try:
+                for header, data in zip(headers, datas):
+                    self._commit_one(header, data, news)
+            finally:
+                self._announce(news)
+            return [STORED] * news.count
+
+    def buffer(self, nbytes: int) -> np.ndarray:
+        """An array to receive a wanted block into: the memory of an evicted block of that size when
+        one is spare (touched already: no page faults on the way in), else a new one."""
+        with self._lock:
+            spare = self._spare.get(nbytes)
+            if spare:
+                self._spare_bytes -= nbytes
+                return spare.pop()
+        return np.empty(nbytes, np.uint8)
+
+    def _keep_spare(self, blk: StoredBlock) -> None:
+        # Only memory nobody else can see: a get may still be sending an evicted block (its list
+        # of StoredBlocks, a view, a posted send all hold references). CPython's reference counts
+        # say exactly that: the StoredBlock is held by the caller's local alone, its array by it.
+        data = blk.data
+        if (sys.getrefcount(blk) > 3 or sys.getrefcount(data) > 3 or data.base is not None
+                or self._spare_bytes + data.nbytes > self.max_inflight_bytes):
+            return
+        self._spare.setdefault(data.nbytes, []).append(data)
+        self._spare_bytes += data.nbytes
+
+    def _commit_one(self, header: BlockHeader, data: np.ndarray, news: _News) -> None:
+        key = entry_key(header.layout, header.block_hash)
+        layout = self._pending.pop(key, None)
+        if layout is None:
+            raise KeyError(f"block {header.block_hash.hex()[:16]} was not offered (or was abandoned)")
+        self._reserved -= layout.nbytes
+        if header.layout != layout or data.nbytes != layout.nbytes:
+            self.stats.rejected_headers += 1
+            check_layout(layout, header.layout)
+            raise HeaderMismatch("buffers", f"{layout.nbytes} bytes", f"{data.nbytes} bytes")
+        while self._used + data.nbytes > self.capacity_bytes:
+            victim, blk = self._blocks.popitem(last=False)
+            self._used -= blk.data.nbytes
+            self.stats.evictions += 1
+            self._keep_spare(blk)
+            if victim in news.stored_keys:  # the batch outgrew the budget: announce what came before
+                self._announce(news)
+            (news.evicted if isinstance(victim, bytes) else news.states).append(blk.header.block_hash)
+        self._blocks[key] = StoredBlock(header, data)
+        self._used += data.nbytes
+        self.stats.puts += 1
+        self.stats.put_bytes += data.nbytes
+        news.stored.append(header)
+        news.stored_keys.add(key)
+        news.count += 1
+
+    def _announce(self, news: _News) -> None:
+        """Emit (and forget) the removals, then the stores in chain runs. Removals go first: none
+        of them is among the stores (``_commit_one`` announces before that could happen)."""
+        if news.evicted:
+            self._emit(BlockRemoved(news.evicted, TIER_REMOTE))
+        if news.states:
+            self._emit(checkpoint_removed(news.states, TIER_REMOTE))
+        run: list[BlockHeader] = []
+        for h in news.stored:
+            if h.layout.kind == KIND_STATE:
+                self._emit(checkpoint_stored([h.block_hash], h.layout.block_size, TIER_REMOTE))
+                continue
+            if run and (h.parent_hash != run[-1].block_hash or h.layout.block_size != run[0].layout.block_size):
+                self._emit_run(run)
+                run = []
+            run.append(h)
+        if run:
+            self._emit_run(run)
+        news.evicted, news.states, news.stored = [], [], []
+        news.stored_keys.clear()
+
+    def _emit_run(self, run: list[BlockHeader]) -> None:
+        self._emit(BlockStored([h.block_hash for h in run], run[0].parent_hash, [], run[0].layout.block_size,
+                               TIER_REMOTE))
 
     def abandon(self, block_hash: BlockHash, layout: BlockLayout | None = None) -> None:
         """Give back the reservation of an offered block (of ``layout``'s kind; default KV) that
@@ -266,20 +352,6 @@ class BlockStore:
             assert not (self._blocks.keys() & self._pending.keys()), "a hash both stored and pending"
 
     # ---- internals ------------------------------------------------------------------------------
-    def _make_room(self, size: int) -> None:
-        """Evict LRU blocks until ``size`` more stored bytes fit (``size <= capacity_bytes``)."""
-        evicted: list[BlockHash] = []
-        states: list[BlockHash] = []
-        while self._used + size > self.capacity_bytes:
-            h, blk = self._blocks.popitem(last=False)
-            self._used -= blk.data.nbytes
-            self.stats.evictions += 1
-            (evicted if isinstance(h, bytes) else states).append(blk.header.block_hash)
-        if evicted:
-            self._emit(BlockRemoved(evicted, TIER_REMOTE))
-        if states:
-            self._emit(checkpoint_removed(states, TIER_REMOTE))
-
     def _emit(self, event: BlockStored | BlockRemoved) -> None:
         if self._on_event is not None:
             self._on_event(event)

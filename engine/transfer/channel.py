@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import numpy as np
@@ -27,7 +27,7 @@ from ucxx.exceptions import UCXError
 
 from . import protocol, shm_lane
 from .errors import LaneMismatch, PeerGone, ProtocolError, TransferTimeout
-from .posted import post
+from .posted import post, start
 from .shm_lane import LaneUnavailable, ShmLane
 
 MAX_CONTROL_BYTES = 64 << 20
@@ -61,13 +61,20 @@ class Channel:
 
     # ---- control messages ---------------------------------------------------------------------
     async def send(self, msg: protocol.Message) -> None:
+        """Post ``msg`` and return without waiting for UCX to report it sent: one endpoint delivers
+        messages of one tag in the order they were posted, and every send here is followed by a
+        receive (the answer) or a close (which flushes), either of which fails if the peer is
+        gone. Waiting for the send's own completion cost a trip through ucxx's progress and
+        notifier threads, over a millisecond per message on a loaded 2-core machine. A send that
+        fails marks the channel broken, so it is never reused."""
         body = np.frombuffer(protocol.encode(msg), np.uint8)
-        await self._io(self._send_two(body), "sending a control message")
-
-    async def _send_two(self, body: np.ndarray) -> None:
         ep = self._live()
-        await post(ep.send(np.array([body.nbytes], np.uint64)))
-        await post(ep.send(body))
+        for part in (np.array([body.nbytes], np.uint64), body):
+            start(ep.send(part)).add_done_callback(self._send_failed)
+
+    def _send_failed(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is not None:
+            self.broken = True
 
     async def recv(self, rest_timeout: float | None = None, max_bytes: int = MAX_CONTROL_BYTES) -> protocol.Message:
         """The next control message. ``rest_timeout``: how long its body may take once its length
@@ -122,9 +129,12 @@ class Channel:
         await self._io(self._windowed([ep.recv(a, tag=_PAYLOAD_TAG_BASE + i) for i, a in enumerate(out)]),
                        f"receiving {len(out)} block payloads")
 
-    async def recv_payloads(self, sizes: Sequence[int]) -> list[np.ndarray]:
-        """Receive one message per size into freshly allocated arrays (the block store keeps them)."""
-        out = [np.empty(n, np.uint8) for n in sizes]
+    async def recv_payloads(self, sizes: Sequence[int],
+                            alloc: Callable[[int], np.ndarray] | None = None) -> list[np.ndarray]:
+        """Receive one message per size into arrays from ``alloc`` (default: new ones); the block
+        store keeps them."""
+        alloc = alloc or (lambda n: np.empty(n, np.uint8))
+        out = [alloc(n) for n in sizes]
         if self.lane is not None:
             await self._lane_recv(out)
             return out
@@ -138,12 +148,12 @@ class Channel:
         # Coroutines are started in index order, window by window; each posts its ucxx request on
         # its first step, so requests are posted in order and matched by their distinct tags. A
         # failed window leaves its other operations posted: the caller's abort completes them.
-        for start in range(0, len(coros), PAYLOAD_WINDOW):
-            batch = [post(c) for c in coros[start:start + PAYLOAD_WINDOW]]
+        for first in range(0, len(coros), PAYLOAD_WINDOW):
+            batch = [post(c) for c in coros[first:first + PAYLOAD_WINDOW]]
             try:
                 await asyncio.gather(*batch)
             except BaseException:
-                for c in coros[start + PAYLOAD_WINDOW:]:
+                for c in coros[first + PAYLOAD_WINDOW:]:
                     c.close()  # never started: close so Python does not warn about them
                 raise
 
@@ -151,30 +161,48 @@ class Channel:
     async def offer_lane(self, chunk_bytes: int = shm_lane.DEFAULT_CHUNK_BYTES) -> bool:
         """Client side, right after the handshake: propose a lane; True when the server took it.
         Any refusal (another host, no room, an older peer) leaves the channel on UCX alone."""
+        size = shm_lane.SLOTS * chunk_bytes
         try:
-            fd, name, nonce = shm_lane.create_lane_file(shm_lane.SLOTS * chunk_bytes)
+            out_fd, nonce = shm_lane.create_memfd(size)
         except (LaneUnavailable, OSError):
             return False
-        lane = ShmLane(fd, name, -1, chunk_bytes)
+        try:
+            listener, name = shm_lane.listen()
+        except LaneUnavailable:
+            os.close(out_fd)
+            return False
+        exchange = asyncio.ensure_future(shm_lane.hand_over(listener, name, out_fd, nonce))
+        in_fd, took = -1, False
         try:
             await self.send(protocol.ShmOffer(name, nonce, chunk_bytes))
             reply = await self.expect(protocol.ShmAccept, protocol.ShmDecline)
-            if isinstance(reply, protocol.ShmAccept):
-                lane.in_fd = shm_lane.open_peer_file(reply.name, reply.nonce, lane.file_bytes)
-                self.lane = lane
-                return True
-        except LaneUnavailable:
-            self.broken = True  # the server believes in a lane this side cannot use: start over
-            lane.close()
-            raise LaneMismatch(f"{self.peer} answered with a lane this side cannot open") from None
-        except BaseException:
-            lane.close()
-            raise
-        lane.close()
-        return False
+            if isinstance(reply, protocol.ShmDecline):
+                return False
+            try:
+                # The server sent its memfd before its answer: the exchange is done or about to be.
+                in_fd, bell = await asyncio.wait_for(exchange, shm_lane.EXCHANGE_TIMEOUT)
+                took = True
+                try:
+                    shm_lane.check_peer_memfd(in_fd, reply.nonce, size)
+                except ProtocolError:
+                    bell.close()
+                    raise
+                fds, out_fd, in_fd = (out_fd, in_fd), -1, -1
+                self.lane = shm_lane.ShmLane.of(*fds, chunk_bytes, bell)  # takes (closes) fds and bell
+            except (LaneUnavailable, ProtocolError, OSError, asyncio.TimeoutError):
+                self.broken = True  # the server believes in a lane this side cannot use: start over
+                raise LaneMismatch(f"{self.peer} answered with a lane this side cannot use") from None
+            return True
+        finally:
+            if not exchange.done():
+                exchange.cancel()  # closes and unlinks the socket
+            elif not exchange.cancelled() and exchange.exception() is None and not took:
+                in_fd, bell = exchange.result()  # the server's memfd, handed over but not used
+                bell.close()
+            _close_quietly([fd for fd in (out_fd, in_fd) if fd >= 0])
 
     async def answer_lane(self, offer: protocol.ShmOffer, allowed: bool) -> None:
-        """Server side: take the client's lane when ``allowed`` and its file is visible here."""
+        """Server side: take the client's lane when ``allowed`` and its socket is visible here."""
         reason = ""
         if not allowed:
             reason = "lanes are off on this server"
@@ -187,54 +215,58 @@ class Channel:
             return
         size = shm_lane.SLOTS * offer.chunk_bytes
         try:
-            in_fd = shm_lane.open_peer_file(offer.name, offer.nonce, size)
-        except (LaneUnavailable, ProtocolError) as e:
+            out_fd, nonce = shm_lane.create_memfd(size)
+        except (LaneUnavailable, OSError) as e:
             await self.send(protocol.ShmDecline(str(e)))
+            return
+        in_fd, bell = -1, None
+        try:
+            in_fd, bell = await asyncio.wait_for(shm_lane.take_over(offer.name, out_fd, offer.nonce),
+                                                 shm_lane.EXCHANGE_TIMEOUT)
+            shm_lane.check_peer_memfd(in_fd, offer.nonce, size)
+        except (LaneUnavailable, ProtocolError, OSError, asyncio.TimeoutError) as e:
+            _close_quietly([fd for fd in (out_fd, in_fd) if fd >= 0])
+            if bell is not None:
+                bell.close()
+            await self.send(protocol.ShmDecline(str(e) or type(e).__name__))
             return
         try:
-            fd, name, nonce = shm_lane.create_lane_file(size)
-        except (LaneUnavailable, OSError) as e:
-            os.close(in_fd)
+            lane = shm_lane.ShmLane.of(out_fd, in_fd, offer.chunk_bytes, bell)
+        except LaneUnavailable as e:
             await self.send(protocol.ShmDecline(str(e)))
             return
-        self.lane = ShmLane(fd, name, in_fd, offer.chunk_bytes)
-        await self.send(protocol.ShmAccept(name, nonce))
+        self.lane = lane
+        await self.send(protocol.ShmAccept(nonce))
 
     async def _lane_send(self, arrays: Sequence[np.ndarray]) -> None:
         lane = self.lane
         assert lane is not None
         chunks = shm_lane.plan([a.nbytes for a in arrays], lane.chunk_bytes)
-        for i, chunk in enumerate(chunks):
-            if i >= shm_lane.SLOTS:
-                await self._expect_ack(i - shm_lane.SLOTS)  # its slot is free again
-            views = [arrays[k][s:e] for k, s, e in chunk]
-            n = await _copy(lane.write, i, views)
-            await self.send(protocol.ShmFrame(i, n))
-        for i in range(max(0, len(chunks) - shm_lane.SLOTS), len(chunks)):
-            await self._expect_ack(i)
-
-    async def _expect_ack(self, index: int) -> None:
-        ack = await self.expect(protocol.ShmAck)
-        if not isinstance(ack, protocol.ShmAck) or ack.index != index:
-            self.broken = True
-            raise ProtocolError(f"{self.peer} acknowledged {ack!r:.80} on its lane; expected chunk {index}")
+        try:
+            for i, chunk in enumerate(chunks):
+                if i >= shm_lane.SLOTS:
+                    await lane.wait(shm_lane.ACK, i - shm_lane.SLOTS)  # its slot is free again
+                views = [arrays[k][s:e] for k, s, e in chunk]
+                n = await _copy(lane.write, i, views)
+                await lane.ring(shm_lane.FRAME, i, n)
+            for i in range(max(0, len(chunks) - shm_lane.SLOTS), len(chunks)):
+                await lane.wait(shm_lane.ACK, i)
+        except BaseException:
+            self.broken = True  # the lane's position is unknown: the connection is done
+            raise
 
     async def _lane_recv(self, out: Sequence[np.ndarray]) -> None:
         lane = self.lane
         assert lane is not None
-        for i, chunk in enumerate(shm_lane.plan([a.nbytes for a in out], lane.chunk_bytes)):
-            frame = await self.expect(protocol.ShmFrame)
-            views = [out[k][s:e] for k, s, e in chunk]
-            want = sum(v.nbytes for v in views)
-            if not isinstance(frame, protocol.ShmFrame) or frame.index != i or frame.nbytes != want:
-                self.broken = True
-                raise ProtocolError(f"{self.peer} sent {frame!r:.80} on its lane; expected chunk {i} of {want} bytes")
-            try:
+        try:
+            for i, chunk in enumerate(shm_lane.plan([a.nbytes for a in out], lane.chunk_bytes)):
+                views = [out[k][s:e] for k, s, e in chunk]
+                await lane.wait(shm_lane.FRAME, i, sum(v.nbytes for v in views))
                 await _copy(lane.read, i, views)
-            except ProtocolError:
-                self.broken = True
-                raise
-            await self.send(protocol.ShmAck(i))
+                await lane.ring(shm_lane.ACK, i)
+        except BaseException:
+            self.broken = True
+            raise
 
     # ---- errors and teardown ------------------------------------------------------------------
     def _live(self):  # noqa: ANN202 - a ucxx Endpoint
@@ -279,6 +311,14 @@ class Channel:
         lane, self.lane = self.lane, None
         if lane is not None:
             lane.close()
+
+
+def _close_quietly(fds: Sequence[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 async def _copy(fn, index: int, views: list[np.ndarray]) -> int:  # noqa: ANN001 - ShmLane.read/write

@@ -10,10 +10,10 @@ One connection carries one request at a time. The exchanges (C: client, S: serve
     push    C: PushKV(id, start, hashes, final, first, state)   S: PushReady()
             C: payload of each block (then the state's)         S: PushDone(num_payloads)
     cancel  C: Cancel(id)       S: Cancelled()
-    lane    C: ShmOffer(name, nonce)   S: ShmAccept(name, nonce) | ShmDecline(reason)
+    lane    C: ShmOffer(name, nonce)   S: ShmAccept(nonce) | ShmDecline(reason)
 
 A connection whose lane was accepted (same host: ``shm_lane``) carries every payload above as
-``ShmFrame``/``ShmAck`` exchanges over its lane files instead of UCX tag messages.
+chunks in its shared-memory slots, signalled on the lane's own socket, instead of UCX tag messages.
 
 reserve/push/cancel are the prefill -> decode handoff (``engine.disagg``): the decode engine
 reserves every block the request will need before it accepts any bytes, and checks the pushed
@@ -184,7 +184,8 @@ class Hello(Message, tag="hello"):
 
 
 class ShmOffer(Message, tag="shm_offer"):
-    """The client's same-host lane (transfer/shm_lane.py): its file's name and the nonce written in it."""
+    """The client's same-host lane (transfer/shm_lane.py): the name of the unix socket in /dev/shm
+    that hands over its memfd, and the nonce written at the memfd's start."""
 
     name: str
     nonce: bytes
@@ -192,7 +193,8 @@ class ShmOffer(Message, tag="shm_offer"):
 
 
 class ShmAccept(Message, tag="shm_accept"):
-    name: str
+    """The server took the lane; its memfd (handed over on the offer's socket) holds ``nonce``."""
+
     nonce: bytes
 
 
@@ -200,19 +202,6 @@ class ShmDecline(Message, tag="shm_decline"):
     """No lane: payloads keep going over UCX (another host, no room, or lanes off)."""
 
     reason: str
-
-
-class ShmFrame(Message, tag="shm_frame"):
-    """Chunk ``index`` of the payload under way is in the sender's lane file (``nbytes`` bytes)."""
-
-    index: int
-    nbytes: int
-
-
-class ShmAck(Message, tag="shm_ack"):
-    """The receiver has read chunk ``index``: its slot may be written again."""
-
-    index: int
 
 
 class Auth(Message, tag="auth"):
@@ -226,7 +215,7 @@ class AuthOk(Message, tag="auth_ok"):
 
 
 AnyMessage = (PutOffer | PutWant | PutDone | Lookup | LookupReply | Get | GetReply | Stats | StatsReply | ErrorReply
-              | Hello | Auth | AuthOk | ShmOffer | ShmAccept | ShmDecline | ShmFrame | ShmAck
+              | Hello | Auth | AuthOk | ShmOffer | ShmAccept | ShmDecline
               | Reserve | Reserved | PushKV | PushReady | PushDone | Cancel | Cancelled)
 
 _encoder = msgspec.msgpack.Encoder()

@@ -48,7 +48,7 @@ class KVServer:
         peer cannot pin a connection with half a message. ``idle_timeout`` bounds the wait between
         requests (None: a connection may idle, as pooled clients' do). ``shm``: accept same-host
         lanes (``shm_lane``; default: on unless ``KVMESH_KV_SHM=0``), at most ``max_lanes`` at a
-        time (each holds 2 x 32 MiB of tmpfs)."""
+        time (each holds 2 x 32 MiB of shared memory)."""
         self.handler = handler
         self.message_timeout = message_timeout
         self.timeouts = 0

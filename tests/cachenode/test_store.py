@@ -134,6 +134,38 @@ def test_events_follow_the_contents():
     assert log.snapshot().hashes["remote"] == frozenset(s.lru_order())
 
 
+def test_a_batch_commit_announces_one_removal_and_one_store_per_chain_run():
+    log = KVEventLog("node-a")
+    s = store_of(4, on_event=log.publish)
+    old, _ = blocks(LAY, 2, seed=1)
+    put_all(s, old)
+    new, _ = blocks(LAY, 3, seed=2)
+    stray, _ = blocks(LAY, 1, seed=3)  # not part of the chain: a run of its own
+    batch = new + stray
+    assert s.offer(BlockBatch.of([b.header for b in batch])) == [WANTED] * 4
+    before = log.latest_seq
+    assert s.commit_many([b.header for b in batch], [b.data for b in batch]) == [STORED] * 4
+    events = [r.event for r in log.since(before)]
+    assert [type(e) for e in events] == [BlockRemoved, BlockStored, BlockStored]
+    assert events[0].block_hashes == [b.block_hash for b in old]
+    assert events[1].block_hashes == [b.block_hash for b in new] and events[1].parent_hash is None
+    assert events[2].block_hashes == [stray[0].block_hash]
+    assert log.snapshot().hashes["remote"] == frozenset(s.lru_order())
+    s.check_integrity()
+
+
+def test_a_batch_larger_than_the_budget_announces_each_block_before_its_eviction():
+    log = KVEventLog("node-a")
+    s = store_of(2, on_event=log.publish, max_inflight_bytes=5 * BLK)
+    blks, _ = blocks(LAY, 5)
+    assert s.offer(BlockBatch.of([b.header for b in blks])) == [WANTED] * 5
+    assert s.commit_many([b.header for b in blks], [b.data for b in blks]) == [STORED] * 5
+    assert s.lru_order() == [b.block_hash for b in blks[3:]]
+    # Replaying the events gives the contents: nothing evicted is announced as stored after it went.
+    assert log.snapshot().hashes["remote"] == frozenset(s.lru_order())
+    s.check_integrity()
+
+
 def test_chain_helper_is_the_engine_hash():
     assert chain(LAY, 2) == [b.block_hash for b in blocks(LAY, 2)[0]]
 
