@@ -11,8 +11,10 @@ Must run on the event loop that drives ucxx (see ``loop_thread``). Every ucxx fa
 operation is posted through ``posted.post``: a caller that times out or is cancelled stops waiting,
 but the operation (with its buffer) lives until ``abort`` makes UCX complete it.
 
-A channel with a same-host ``lane`` (``shm_lane``) moves payloads through it instead: the three
-payload methods keep their meaning, only the bytes take another road.
+A channel with a same-host ``lane`` (``shm_lane``) moves everything after the lane's setup through
+it instead: payloads through its shared memory, control messages over its unix socket (length and
+body, like the UCX framing). The methods keep their meaning, only the bytes take another road, one
+that never waits on ucxx's progress and notifier threads.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ class Channel:
         gone. Waiting for the send's own completion cost a trip through ucxx's progress and
         notifier threads, over a millisecond per message on a loaded 2-core machine. A send that
         fails marks the channel broken, so it is never reused."""
+        if self.lane is not None:
+            await self._lane_io(self.lane.send_message(protocol.encode(msg)))
+            return
         body = np.frombuffer(protocol.encode(msg), np.uint8)
         ep = self._live()
         for part in (np.array([body.nbytes], np.uint64), body):
@@ -80,6 +85,8 @@ class Channel:
         """The next control message. ``rest_timeout``: how long its body may take once its length
         arrived (a peer that sends half a message and stalls gets ``TransferTimeout``);
         ``max_bytes``: the largest body accepted (a server allows little before authentication)."""
+        if self.lane is not None:
+            return self._decode(await self._lane_io(self.lane.recv_message(max_bytes, rest_timeout)))
         size = np.empty(1, np.uint64)
         await self._io(post(self._live().recv(size)), "waiting for a control message")
         n = int(size[0])
@@ -94,12 +101,22 @@ class Channel:
             self.broken = True
             raise TransferTimeout(f"{self.peer} sent {n} bytes' length and not the message within "
                                   f"{rest_timeout:.0f}s") from None
+        return self._decode(body.data)
+
+    def _decode(self, raw: bytes | memoryview) -> protocol.Message:
         self.received += 1
         try:
-            return protocol.decode(body.data)
+            return protocol.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self.broken = True
             raise ProtocolError(f"undecodable control message from {self.peer}: {e}") from None
+
+    async def _lane_io(self, aw):  # noqa: ANN001, ANN202 - a lane operation
+        try:
+            return await aw
+        except BaseException:
+            self.broken = True  # the bell's position is unknown: the connection is done
+            raise
 
     async def expect(self, *types: type) -> protocol.Message:
         """Receive one message of one of ``types``; an ``ErrorReply`` is returned as is for the caller."""
@@ -235,8 +252,8 @@ class Channel:
         except LaneUnavailable as e:
             await self.send(protocol.ShmDecline(str(e)))
             return
+        await self.send(protocol.ShmAccept(nonce))  # over UCX: the client learns of the lane there
         self.lane = lane
-        await self.send(protocol.ShmAccept(nonce))
 
     async def _lane_send(self, arrays: Sequence[np.ndarray]) -> None:
         lane = self.lane

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import PeerGone, ProtocolError
+from .errors import PeerGone, ProtocolError, TransferTimeout
 
 SHM_DIR = "/dev/shm"
 NAME_RE = re.compile(r"kvmesh-kv-[0-9a-f]{32}\Z")
@@ -72,8 +72,9 @@ EXCHANGE_TIMEOUT = 5.0
 ENV_SWITCH = "KVMESH_KV_SHM"
 """``0``/``off``/``no`` disables the lane in a process (both its clients and its servers)."""
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-FRAME, ACK = 1, 2
-"""Doorbell signals: chunk ``index`` is in its slot (``nbytes`` bytes); the reader is done with it."""
+FRAME, ACK, MESSAGE = 1, 2, 3
+"""Bell records: chunk ``index`` is in its slot (``nbytes`` bytes); the reader is done with it; a
+control message of ``nbytes`` bytes follows."""
 _BELL = struct.Struct("<IIQ")  # kind, index, nbytes
 
 
@@ -322,20 +323,48 @@ class ShmLane:
 
     async def ring(self, kind: int, index: int, nbytes: int = 0) -> None:
         """Signal ``kind`` for chunk ``index`` to the peer."""
-        bell = self._bell()
-        try:
-            await asyncio.get_running_loop().sock_sendall(bell, _BELL.pack(kind, index, nbytes))
-        except OSError as e:
-            raise PeerGone(f"the lane's peer is gone ({e.strerror or e})") from None
+        await self._send(_BELL.pack(kind, index, nbytes))
 
     async def wait(self, kind: int, index: int, nbytes: int | None = None) -> None:
         """Wait for the peer's signal ``kind`` for chunk ``index`` (of ``nbytes`` bytes, when given);
-        any other signal is a ``ProtocolError``, a closed bell ``PeerGone``."""
+        any other record is a ``ProtocolError``, a closed bell ``PeerGone``."""
+        k, i, n = _BELL.unpack(await self._read(_BELL.size))
+        if (k, i) != (kind, index) or (nbytes is not None and n != nbytes):
+            want = f"{'frame' if kind == FRAME else 'ack'} {index}" + ("" if nbytes is None else f" of {nbytes} bytes")
+            raise ProtocolError(f"lane signal ({k}, {i}, {n}) where {want} was due")
+
+    async def send_message(self, body: bytes) -> None:
+        """One control message (the channel's encoded body) on the bell."""
+        await self._send(_BELL.pack(MESSAGE, 0, len(body)) + body)
+
+    async def recv_message(self, max_bytes: int, rest_timeout: float | None) -> bytes:
+        """The next control message's body. ``ProtocolError`` for anything but a message of
+        1..``max_bytes`` bytes; ``TransferTimeout`` when its body does not follow its header within
+        ``rest_timeout`` (a peer cannot pin the connection with half a message)."""
+        k, _, n = _BELL.unpack(await self._read(_BELL.size))
+        if k != MESSAGE:
+            raise ProtocolError(f"lane record of kind {k} where a control message was due")
+        if not 0 < n <= max_bytes:
+            raise ProtocolError(f"the lane's peer announced a {n}-byte control message (limit {max_bytes})")
+        try:
+            return await asyncio.wait_for(self._read(n), rest_timeout)
+        except TimeoutError:
+            raise TransferTimeout(f"the lane's peer sent a {n}-byte message's header and not its body "
+                                  f"within {rest_timeout:.0f}s") from None
+
+    async def _send(self, data: bytes) -> None:
         bell = self._bell()
-        buf = bytearray(_BELL.size)
+        try:
+            await asyncio.get_running_loop().sock_sendall(bell, data)
+        except OSError as e:
+            raise PeerGone(f"the lane's peer is gone ({e.strerror or e})") from None
+
+    async def _read(self, size: int) -> bytes:
+        bell = self._bell()
+        buf = bytearray(size)
         view, got = memoryview(buf), 0
         loop = asyncio.get_running_loop()
-        while got < len(buf):
+        while got < size:
             try:
                 n = await loop.sock_recv_into(bell, view[got:])
             except OSError as e:
@@ -343,10 +372,7 @@ class ShmLane:
             if n == 0:
                 raise PeerGone("the lane's peer closed it")
             got += n
-        k, i, n = _BELL.unpack(buf)
-        if (k, i) != (kind, index) or (nbytes is not None and n != nbytes):
-            want = f"{'frame' if kind == FRAME else 'ack'} {index}" + ("" if nbytes is None else f" of {nbytes} bytes")
-            raise ProtocolError(f"lane signal ({k}, {i}, {n}) where {want} was due")
+        return bytes(buf)
 
     def _bell(self) -> socket.socket:
         if self.bell is None or self._closed:
