@@ -22,7 +22,7 @@ from kvmesh.engine.cachenode.store import BlockStore
 from kvmesh.engine.transfer.channel import Channel
 from kvmesh.engine.transfer import protocol, shm_lane
 from kvmesh.engine.transfer.client import AsyncKVClient, KVClient
-from kvmesh.engine.transfer.errors import PeerGone, ProtocolError, TransferError
+from kvmesh.engine.transfer.errors import PeerGone, ProtocolError, TransferError, TransferTimeout
 from kvmesh.engine.transfer.header import BlockBatch
 from kvmesh.engine.transfer.loop_thread import LoopThread
 from kvmesh.engine.transfer.server import KVServer
@@ -146,6 +146,56 @@ def test_any_16_bytes_on_the_doorbell_are_the_due_signal_or_a_protocol_error(raw
                 assert not due
         finally:
             w.close()
+            r.close()
+
+    asyncio.run(scenario())
+
+
+def test_control_messages_on_the_bell_are_framed_bounded_and_timed():
+    async def scenario():
+        w, r, spare = lane_pair()
+        os.close(spare)
+        try:
+            await w.send_message(b"hello")
+            assert await r.recv_message(64, 1.0) == b"hello"
+            await w.ring(shm_lane.FRAME, 0, 5)
+            with pytest.raises(ProtocolError, match="control message was due"):
+                await r.recv_message(64, 1.0)
+            await w.send_message(b"x" * 65)
+            with pytest.raises(ProtocolError, match="65-byte control message"):
+                await r.recv_message(64, 1.0)
+        finally:
+            w.close()
+            r.close()
+        w, r, spare = lane_pair()
+        os.close(spare)
+        try:
+            w.bell.send(shm_lane._BELL.pack(shm_lane.MESSAGE, 0, 10) + b"half")  # and then nothing
+            with pytest.raises(TransferTimeout):
+                await r.recv_message(64, 0.2)
+        finally:
+            w.close()
+            r.close()
+
+    asyncio.run(scenario())
+
+
+@settings(max_examples=100, deadline=None)
+@given(raw=st.binary(min_size=0, max_size=48))
+def test_any_bytes_on_the_bell_are_a_message_or_a_clean_error(raw):
+    async def scenario():
+        w, r, spare = lane_pair()
+        os.close(spare)
+        try:
+            w.bell.send(raw)
+            w.close()  # and the peer goes: a short record must end in PeerGone, not a hang
+            try:
+                body = await r.recv_message(32, 1.0)
+            except (ProtocolError, PeerGone, TransferTimeout):
+                return
+            k, _, n = shm_lane._BELL.unpack(raw[:16])
+            assert k == shm_lane.MESSAGE and 0 < n <= 32 and body == raw[16:16 + n]
+        finally:
             r.close()
 
     asyncio.run(scenario())
@@ -375,6 +425,35 @@ def test_a_peer_that_lies_about_a_chunk_loses_its_connection_and_no_one_else_not
         with node.client() as honest:
             assert honest.put(blks).result(20) == [protocol.STORED] * 12
             assert node.store.reserved_bytes == 0  # the hostile put's reservations were given back
+    finally:
+        node.close()
+    node.store.check_integrity()
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xfe", b"", b"x" * 100])
+def test_garbage_on_a_lane_s_bell_costs_that_connection_only(loop, garbage):
+    node = lane_node(loop)
+    lay = layout(block_size=16, layers=4)
+    blks, _ = blocks(lay, 3)
+
+    async def hostile():
+        c = AsyncKVClient("127.0.0.1", node.server.port, shm=True, lane_chunk_bytes=MiB)
+        ch = await c._connect()
+        assert ch.lane is not None
+        try:
+            if garbage:
+                await ch.lane.send_message(garbage)  # undecodable, or not a message of the protocol
+            else:
+                ch.lane.bell.send(shm_lane._BELL.pack(shm_lane.ACK, 7, 0))  # a signal where a request is due
+            with pytest.raises(PeerGone):
+                await ch.recv()
+        finally:
+            ch.abort()
+
+    try:
+        _run(loop, hostile())
+        with node.client() as honest:
+            assert honest.put(blks).result(20) == [protocol.STORED] * 3
     finally:
         node.close()
     node.store.check_integrity()
