@@ -334,6 +334,28 @@ def _run(loop: LoopThread, coro):  # noqa: ANN001, ANN202
     return loop.call(coro, 30)
 
 
+async def dropped(ch: Channel) -> None:
+    """The server dropped ``ch``: its next receive fails with PeerGone."""
+    try:
+        with pytest.raises(PeerGone):
+            await ch.recv()
+    finally:
+        ch.abort()
+
+
+def hostile_then_honest(loop: LoopThread, node: Node, hostile, blks: list) -> None:  # noqa: ANN001
+    """Run ``hostile()`` against ``node``; an honest client's put of ``blks`` must then succeed in
+    full, with every reservation of the hostile connection given back."""
+    try:
+        _run(loop, hostile())
+        with node.client() as honest:
+            assert honest.put(blks).result(20) == [protocol.STORED] * len(blks)
+            assert node.store.reserved_bytes == 0
+    finally:
+        node.close()
+    node.store.check_integrity()
+
+
 def test_an_offer_naming_a_socket_that_is_not_there_is_declined_and_the_connection_serves_on(loop):
     node = lane_node(loop)
     lay = layout(block_size=16, layers=4)
@@ -412,22 +434,11 @@ def test_a_peer_that_lies_about_a_chunk_loses_its_connection_and_no_one_else_not
     async def hostile():
         ch = await open_put(node, blks, lane_chunk_bytes=MiB)
         assert ch.lane is not None
-        try:
-            ch.lane.write(0, [blks[0].data])
-            await ch.lane.ring(shm_lane.FRAME, 0, MiB + 1)  # more than the chunk the plan says
-            with pytest.raises(PeerGone):
-                await ch.recv()
-        finally:
-            ch.abort()
+        ch.lane.write(0, [blks[0].data])
+        await ch.lane.ring(shm_lane.FRAME, 0, MiB + 1)  # more than the chunk the plan says
+        await dropped(ch)
 
-    try:
-        _run(loop, hostile())
-        with node.client() as honest:
-            assert honest.put(blks).result(20) == [protocol.STORED] * 12
-            assert node.store.reserved_bytes == 0  # the hostile put's reservations were given back
-    finally:
-        node.close()
-    node.store.check_integrity()
+    hostile_then_honest(loop, node, hostile, blks)
 
 
 @pytest.mark.parametrize("garbage", [b"\xff\xfe", b"", b"x" * 100])
@@ -440,23 +451,13 @@ def test_garbage_on_a_lane_s_bell_costs_that_connection_only(loop, garbage):
         c = AsyncKVClient("127.0.0.1", node.server.port, shm=True, lane_chunk_bytes=MiB)
         ch = await c._connect()
         assert ch.lane is not None
-        try:
-            if garbage:
-                await ch.lane.send_message(garbage)  # undecodable, or not a message of the protocol
-            else:
-                ch.lane.bell.send(shm_lane._BELL.pack(shm_lane.ACK, 7, 0))  # a signal where a request is due
-            with pytest.raises(PeerGone):
-                await ch.recv()
-        finally:
-            ch.abort()
+        if garbage:
+            await ch.lane.send_message(garbage)  # undecodable, or not a message of the protocol
+        else:
+            ch.lane.bell.send(shm_lane._BELL.pack(shm_lane.ACK, 7, 0))  # a signal where a request is due
+        await dropped(ch)
 
-    try:
-        _run(loop, hostile())
-        with node.client() as honest:
-            assert honest.put(blks).result(20) == [protocol.STORED] * 3
-    finally:
-        node.close()
-    node.store.check_integrity()
+    hostile_then_honest(loop, node, hostile, blks)
 
 
 def test_a_sender_that_dies_mid_payload_is_a_clean_error_within_the_deadline(loop):
