@@ -67,7 +67,7 @@ class Channel:
         messages of one tag in the order they were posted, and every send here is followed by a
         receive (the answer) or a close (which flushes), either of which fails if the peer is
         gone. Waiting for the send's own completion cost a trip through ucxx's progress and
-        notifier threads, over a millisecond per message on a loaded 2-core machine. A send that
+        notifier threads for every message, slow on a loaded 2-core machine. A send that
         fails marks the channel broken, so it is never reused."""
         if self.lane is not None:
             await self._lane_io(self.lane.send_message(protocol.encode(msg)))
@@ -131,7 +131,7 @@ class Channel:
     async def send_payloads(self, arrays: Sequence[np.ndarray]) -> None:
         """Send each array as one tag message (tag = its index), at most ``PAYLOAD_WINDOW`` at once."""
         if self.lane is not None:
-            await self._lane_send(arrays)
+            await self._lane_io(self._lane_send(arrays))
             return
         ep = self._live()
         await self._io(self._windowed([ep.send(a, tag=_PAYLOAD_TAG_BASE + i) for i, a in enumerate(arrays)]),
@@ -140,7 +140,7 @@ class Channel:
     async def recv_payloads_into(self, out: Sequence[np.ndarray]) -> None:
         """Receive one message into each of ``out`` (views of one buffer: a batch lands contiguous)."""
         if self.lane is not None:
-            await self._lane_recv(out)
+            await self._lane_io(self._lane_recv(out))
             return
         ep = self._live()
         await self._io(self._windowed([ep.recv(a, tag=_PAYLOAD_TAG_BASE + i) for i, a in enumerate(out)]),
@@ -153,7 +153,7 @@ class Channel:
         alloc = alloc or (lambda n: np.empty(n, np.uint8))
         out = [alloc(n) for n in sizes]
         if self.lane is not None:
-            await self._lane_recv(out)
+            await self._lane_io(self._lane_recv(out))
             return out
         ep = self._live()
         await self._io(self._windowed([ep.recv(a, tag=_PAYLOAD_TAG_BASE + i) for i, a in enumerate(out)]),
@@ -189,7 +189,6 @@ class Channel:
             os.close(out_fd)
             return False
         exchange = asyncio.ensure_future(shm_lane.hand_over(listener, name, out_fd, nonce))
-        in_fd, took = -1, False
         try:
             await self.send(protocol.ShmOffer(name, nonce, chunk_bytes))
             reply = await self.expect(protocol.ShmAccept, protocol.ShmDecline)
@@ -197,15 +196,9 @@ class Channel:
                 return False
             try:
                 # The server sent its memfd before its answer: the exchange is done or about to be.
-                in_fd, bell = await asyncio.wait_for(exchange, shm_lane.EXCHANGE_TIMEOUT)
-                took = True
-                try:
-                    shm_lane.check_peer_memfd(in_fd, reply.nonce, size)
-                except ProtocolError:
-                    bell.close()
-                    raise
-                fds, out_fd, in_fd = (out_fd, in_fd), -1, -1
-                self.lane = shm_lane.ShmLane.of(*fds, chunk_bytes, bell)  # takes (closes) fds and bell
+                peer = await asyncio.wait_for(exchange, shm_lane.EXCHANGE_TIMEOUT)
+                mine, out_fd = out_fd, -1
+                self.lane = shm_lane.join(mine, peer, reply.nonce, chunk_bytes)
             except (LaneUnavailable, ProtocolError, OSError, asyncio.TimeoutError):
                 self.broken = True  # the server believes in a lane this side cannot use: start over
                 raise LaneMismatch(f"{self.peer} answered with a lane this side cannot use") from None
@@ -213,10 +206,10 @@ class Channel:
         finally:
             if not exchange.done():
                 exchange.cancel()  # closes and unlinks the socket
-            elif not exchange.cancelled() and exchange.exception() is None and not took:
-                in_fd, bell = exchange.result()  # the server's memfd, handed over but not used
-                bell.close()
-            _close_quietly([fd for fd in (out_fd, in_fd) if fd >= 0])
+            elif not exchange.cancelled() and exchange.exception() is None and self.lane is None:
+                exchange.result().close()  # handed over, not used (idempotent after a failed join)
+            if out_fd >= 0:
+                os.close(out_fd)
 
     async def answer_lane(self, offer: protocol.ShmOffer, allowed: bool) -> None:
         """Server side: take the client's lane when ``allowed`` and its socket is visible here."""
@@ -230,26 +223,21 @@ class Channel:
         if reason:
             await self.send(protocol.ShmDecline(reason))
             return
-        size = shm_lane.SLOTS * offer.chunk_bytes
         try:
-            out_fd, nonce = shm_lane.create_memfd(size)
+            out_fd, nonce = shm_lane.create_memfd(shm_lane.SLOTS * offer.chunk_bytes)
         except (LaneUnavailable, OSError) as e:
             await self.send(protocol.ShmDecline(str(e)))
             return
-        in_fd, bell = -1, None
         try:
-            in_fd, bell = await asyncio.wait_for(shm_lane.take_over(offer.name, out_fd, offer.nonce),
-                                                 shm_lane.EXCHANGE_TIMEOUT)
-            shm_lane.check_peer_memfd(in_fd, offer.nonce, size)
+            peer = await asyncio.wait_for(shm_lane.take_over(offer.name, out_fd, offer.nonce),
+                                          shm_lane.EXCHANGE_TIMEOUT)
         except (LaneUnavailable, ProtocolError, OSError, asyncio.TimeoutError) as e:
-            _close_quietly([fd for fd in (out_fd, in_fd) if fd >= 0])
-            if bell is not None:
-                bell.close()
+            os.close(out_fd)
             await self.send(protocol.ShmDecline(str(e) or type(e).__name__))
             return
         try:
-            lane = shm_lane.ShmLane.of(out_fd, in_fd, offer.chunk_bytes, bell)
-        except LaneUnavailable as e:
+            lane = shm_lane.join(out_fd, peer, offer.nonce, offer.chunk_bytes)
+        except (LaneUnavailable, ProtocolError) as e:
             await self.send(protocol.ShmDecline(str(e)))
             return
         await self.send(protocol.ShmAccept(nonce))  # over UCX: the client learns of the lane there
@@ -259,31 +247,23 @@ class Channel:
         lane = self.lane
         assert lane is not None
         chunks = shm_lane.plan([a.nbytes for a in arrays], lane.chunk_bytes)
-        try:
-            for i, chunk in enumerate(chunks):
-                if i >= shm_lane.SLOTS:
-                    await lane.wait(shm_lane.ACK, i - shm_lane.SLOTS)  # its slot is free again
-                views = [arrays[k][s:e] for k, s, e in chunk]
-                n = await _copy(lane.write, i, views)
-                await lane.ring(shm_lane.FRAME, i, n)
-            for i in range(max(0, len(chunks) - shm_lane.SLOTS), len(chunks)):
-                await lane.wait(shm_lane.ACK, i)
-        except BaseException:
-            self.broken = True  # the lane's position is unknown: the connection is done
-            raise
+        for i, chunk in enumerate(chunks):
+            if i >= shm_lane.SLOTS:
+                await lane.wait(shm_lane.ACK, i - shm_lane.SLOTS)  # its slot is free again
+            views = [arrays[k][s:e] for k, s, e in chunk]
+            n = await _copy(lane.write, i, views)
+            await lane.ring(shm_lane.FRAME, i, n)
+        for i in range(max(0, len(chunks) - shm_lane.SLOTS), len(chunks)):
+            await lane.wait(shm_lane.ACK, i)
 
     async def _lane_recv(self, out: Sequence[np.ndarray]) -> None:
         lane = self.lane
         assert lane is not None
-        try:
-            for i, chunk in enumerate(shm_lane.plan([a.nbytes for a in out], lane.chunk_bytes)):
-                views = [out[k][s:e] for k, s, e in chunk]
-                await lane.wait(shm_lane.FRAME, i, sum(v.nbytes for v in views))
-                await _copy(lane.read, i, views)
-                await lane.ring(shm_lane.ACK, i)
-        except BaseException:
-            self.broken = True
-            raise
+        for i, chunk in enumerate(shm_lane.plan([a.nbytes for a in out], lane.chunk_bytes)):
+            views = [out[k][s:e] for k, s, e in chunk]
+            await lane.wait(shm_lane.FRAME, i, sum(v.nbytes for v in views))
+            await _copy(lane.read, i, views)
+            await lane.ring(shm_lane.ACK, i)
 
     # ---- errors and teardown ------------------------------------------------------------------
     def _live(self):  # noqa: ANN202 - a ucxx Endpoint
@@ -328,14 +308,6 @@ class Channel:
         lane, self.lane = self.lane, None
         if lane is not None:
             lane.close()
-
-
-def _close_quietly(fds: Sequence[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 async def _copy(fn, index: int, views: list[np.ndarray]) -> int:  # noqa: ANN001 - ShmLane.read/write

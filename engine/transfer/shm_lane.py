@@ -16,7 +16,7 @@ store arrays), and with two slots the writer fills one slot while the reader emp
 Both ends cut a payload into the same chunks (``plan`` depends only on the buffers' sizes), so a
 signal carries only its index and byte count, which the receiver checks. The signals take the
 socket rather than UCX because a UCX completion reaches the event loop through two more threads:
-on a loaded 2-core machine that cost 2-6 ms per signal, more than copying the chunk.
+on a loaded 2-core machine a signal took longer to arrive that way than its chunk took to copy.
 
 Why a sealed memfd: a peer that could shrink a file the other side maps would kill it with
 SIGBUS on its next access. A memfd carries ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``, which
@@ -181,10 +181,24 @@ def unlink_socket(name: str) -> None:
         os.unlink(socket_path(name))
 
 
-async def hand_over(listener: socket.socket, name: str, out_fd: int, nonce: bytes) -> tuple[int, socket.socket]:
-    """Offering side: take the first connection that proves ``nonce``, give it ``out_fd``, return
-    the peer's memfd (unchecked: its nonce arrives later over UCX) and the connection (the lane's
-    doorbell). Unlinks the socket's name."""
+@dataclass
+class Peer:
+    """What an exchange brought: the peer's memfd (unchecked) and the connection, the lane's bell."""
+
+    fd: int
+    bell: socket.socket
+
+    def close(self) -> None:
+        """Idempotent."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.bell.close()
+
+
+async def hand_over(listener: socket.socket, name: str, out_fd: int, nonce: bytes) -> Peer:
+    """Offering side: take the first connection that proves ``nonce`` and give it ``out_fd``; the
+    peer's memfd is checked later (its nonce arrives over UCX). Unlinks the socket's name."""
     loop = asyncio.get_running_loop()
     try:
         while True:
@@ -200,16 +214,15 @@ async def hand_over(listener: socket.socket, name: str, out_fd: int, nonce: byte
                 os.close(peer_fd)
                 conn.close()
                 raise
-            return peer_fd, conn
+            return Peer(peer_fd, conn)
     finally:
         unlink_socket(name)
         listener.close()
 
 
-async def take_over(name: str, out_fd: int, nonce: bytes) -> tuple[int, socket.socket]:
+async def take_over(name: str, out_fd: int, nonce: bytes) -> Peer:
     """Answering side: connect to the offer's socket, prove ``nonce`` while giving ``out_fd``, and
-    return the offerer's memfd and the connection (the lane's doorbell). ``LaneUnavailable`` when
-    the socket is not visible (another host)."""
+    take the offerer's memfd. ``LaneUnavailable`` when the socket is not visible (another host)."""
     path = socket_path(name)
     loop = asyncio.get_running_loop()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -221,7 +234,7 @@ async def take_over(name: str, out_fd: int, nonce: bytes) -> tuple[int, socket.s
             raise LaneUnavailable(f"peer's lane {name} is not reachable here ({e.strerror}): another host") from None
         _check_same_user(conn)
         socket.send_fds(conn, [nonce], [out_fd])
-        return await _recv_fd(conn, b"k"), conn
+        return Peer(await _recv_fd(conn, b"k"), conn)
     except BaseException:
         conn.close()
         raise
@@ -251,6 +264,20 @@ def _check_same_user(conn: socket.socket) -> None:
     _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     if uid != os.getuid():
         raise ProtocolError(f"the lane exchange's peer runs as uid {uid}, not this user")
+
+
+def join(out_fd: int, peer: Peer, nonce: bytes, chunk_bytes: int) -> ShmLane:
+    """The lane of this side's ``out_fd`` and an exchanged ``peer`` whose memfd must hold ``nonce``.
+    Takes both: on success the lane holds them, on failure (``ProtocolError``, ``LaneUnavailable``)
+    they are closed."""
+    try:
+        check_peer_memfd(peer.fd, nonce, SLOTS * chunk_bytes)
+    except ProtocolError:
+        os.close(out_fd)
+        peer.close()
+        raise
+    in_fd, peer.fd = peer.fd, -1
+    return ShmLane.of(out_fd, in_fd, chunk_bytes, peer.bell)
 
 
 # ---- a lane in use ---------------------------------------------------------------------------------

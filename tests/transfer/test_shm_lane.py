@@ -255,10 +255,11 @@ def test_the_exchange_hands_memfds_both_ways_and_ignores_a_caller_without_the_no
             except BlockingIOError:
                 data, fds = b"", []
             assert (data, fds) == (b"", [])  # closed on it without an fd (or nothing sent at all)
-        got_by_peer, bell_there = await shm_lane.take_over(name, theirs, nonce)
-        got_here, bell_here = await asyncio.wait_for(exchange, 5)
-        bell_there.close()
-        bell_here.close()
+        there = await shm_lane.take_over(name, theirs, nonce)
+        here = await asyncio.wait_for(exchange, 5)
+        got_by_peer, got_here = os.dup(there.fd), os.dup(here.fd)
+        there.close()
+        here.close()
         assert name not in lane_files()  # the name is gone once its one connection was taken
         shm_lane.check_peer_memfd(got_by_peer, nonce, MiB)  # the peer holds this side's memfd
         assert os.fstat(got_here).st_ino == os.fstat(theirs).st_ino
@@ -407,9 +408,7 @@ def test_a_peer_that_offers_memory_it_could_cut_is_declined_and_its_connection_s
             await ch.send(protocol.ShmOffer(name, nonce, MiB))
             reply = await ch.expect(protocol.ShmAccept, protocol.ShmDecline)
             assert isinstance(reply, protocol.ShmDecline) and "not sealed" in reply.reason, reply
-            fd, bell = await asyncio.wait_for(exchange, 5)  # the server's memfd came; it is dropped
-            os.close(fd)
-            bell.close()
+            (await asyncio.wait_for(exchange, 5)).close()  # the server's memfd came; it is dropped
             await ch.send(protocol.PutOffer(BlockBatch.of([b.header for b in blks])))
             await ch.expect(protocol.PutWant)
             await ch.send_payloads([b.data for b in blks])
