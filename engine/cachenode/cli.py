@@ -91,7 +91,7 @@ def run_cache_node(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     from ..transfer.ucx_env import apply_ucx_defaults
 
-    apply_ucx_defaults()  # before ucxx creates its context, below
+    apply_ucx_defaults(settings.host)  # before ucxx creates its context, below
     import asyncio
 
     from .node import serve

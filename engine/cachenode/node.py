@@ -65,7 +65,7 @@ class CacheNode:
         self.handler = CacheNodeHandler(self.store, payload_timeout=settings.payload_timeout, max_put=settings.max_put,
                                         extra_stats=lambda: {"node_id": self.node_id,
                                                              "connections": self.server.open_connections})
-        self.server = KVServer(self.handler, settings.ucx_port, token=settings.auth.internal_token,
+        self.server = KVServer(self.handler, settings.ucx_port, host=settings.host, token=settings.auth.internal_token,
                                message_timeout=settings.message_timeout)
         self.publisher = (KVEventPublisher(settings.kv_events_host or settings.host, settings.kv_events_port,
                                            token=settings.auth.internal_token())

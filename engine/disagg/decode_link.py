@@ -167,10 +167,10 @@ class DecodeEndpoint:
     """The listener on the process's transfer loop; ``port`` is what ``/kv/info`` reports as ``transfer_port``."""
 
     def __init__(self, engine: Any, port: int = 0, accepting: Callable[[], bool] = lambda: True,
-                 token: TokenSource = no_token) -> None:
+                 token: TokenSource = no_token, host: str = "0.0.0.0") -> None:
         self.handler = DecodeHandler(engine, accepting=accepting)
         self.loop = shared_loop()
-        self.server = KVServer(self.handler, port, token=token)
+        self.server = KVServer(self.handler, port, host=host, token=token)
         self.loop.call(self.server.start(), timeout=30.0)
         self.port = self.server.port
         log.info("KV transfer: decode endpoint on UCX port %d", self.port)

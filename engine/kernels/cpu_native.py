@@ -34,6 +34,7 @@ from kvmesh.engine.kernels.extend_attention import paged_extend_attention_ref
 from kvmesh.engine.kernels.rmsnorm import _check_inputs as _check_rms_inputs
 from kvmesh.engine.kernels.rmsnorm import rms_norm_ref
 from kvmesh.engine.kernels.rope import _check_rope_inputs, rope_write_kv_ref
+from kvmesh.engine.util.cache_dir import default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,7 @@ _RETURNS = {"kvmesh_extend_attention_bf16": ctypes.c_int, "kvmesh_decode_step_bf
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("KVMESH_CACHE_DIR") or os.path.join(Path.home(), ".cache", "kvmesh")
-    return Path(root) / "cpu-kernels"
+    return default_cache_dir() / "cpu-kernels"
 
 
 def _cpu_fingerprint() -> str:

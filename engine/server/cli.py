@@ -164,10 +164,13 @@ def handler(args: argparse.Namespace) -> int:
         print(f"kvmesh serve: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvmesh.engine.kv.node_link import parse_host_port
     from kvmesh.engine.server.runtime import serve
     from kvmesh.engine.transfer.ucx_env import apply_ucx_defaults
 
-    apply_ucx_defaults()  # before any KV transfer (cache node, prefill/decode) creates ucxx's context
+    peers = (parse_host_port(settings.engine.cache_node)[0],) if settings.engine.cache_node else ()
+    # Before any KV transfer (cache node, prefill/decode) creates ucxx's context.
+    apply_ucx_defaults(settings.host, peers)
 
     return serve(settings)
 

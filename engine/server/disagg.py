@@ -44,7 +44,8 @@ class DisaggServing:
     """Role-specific request handling and the transfer endpoints it owns (started once loaded)."""
 
     def __init__(self, role: str, aengine: AsyncEngine, serving: Serving, *, transfer_port: int = 0,
-                 transfer_timeout_s: float = 30.0, overlap: bool = True, tail_tokens: int = 0,
+                 transfer_host: str = "0.0.0.0", transfer_timeout_s: float = 30.0, overlap: bool = True,
+                 tail_tokens: int = 0,
                  observe: Callable[[str, int, float | None], None] = lambda outcome, nbytes, seconds: None,
                  token: Callable[[], str | None] = lambda: None) -> None:
         """``observe(outcome, bytes, seconds)`` counts each stage-1 handoff (the server's metrics);
@@ -57,6 +58,7 @@ class DisaggServing:
         self.aengine = aengine
         self.serving = serving
         self.transfer_port = transfer_port
+        self.transfer_host = transfer_host
         self.transfer_timeout_s = transfer_timeout_s
         self.overlap = overlap
         self.tail_tokens = tail_tokens if overlap else 0
@@ -82,7 +84,7 @@ class DisaggServing:
             from kvmesh.engine.disagg.decode_link import DecodeEndpoint
 
             self.endpoint = DecodeEndpoint(engine, self.transfer_port, accepting=lambda: self.aengine.ready,
-                                           token=self.token)
+                                           token=self.token, host=self.transfer_host)
         elif self.role == "prefill":
             from kvmesh.engine.kv.gather import cache_layout
             from kvmesh.engine.kv.slot_wire import slot_state_layout

@@ -125,7 +125,7 @@ def build_server(settings: ServeSettings, engine_factory: Callable[[], Any] | No
         publisher.bind()  # a busy port fails here, before the model loads
     server_app = ServerApp(aengine, settings.served_model_names, kv_publisher=publisher,
                            drain_timeout_s=settings.drain_timeout_s, role=settings.role,
-                           kv_transfer_port=settings.kv_transfer_port,
+                           kv_transfer_port=settings.kv_transfer_port, kv_transfer_host=settings.host,
                            kv_transfer_timeout_s=settings.engine.kv_transfer_timeout,
                            kv_transfer_overlap=settings.kv_transfer_overlap,
                            kv_transfer_tail_tokens=settings.kv_transfer_tail_tokens,

@@ -5,8 +5,6 @@ the ``Hello``, then loops: receive a request, ``await handler.handle(msg, channe
 sends the reply and any payloads itself, since a put is two-phase). A connection ends when the
 peer goes away, sends garbage, or the server closes; a handler exception other than a
 ``TransferError`` is answered with ``ErrorReply(internal)`` and the connection is dropped.
-
-Note: ucxx's listener binds every interface of the host (its API takes a port only).
 """
 
 from __future__ import annotations
@@ -15,12 +13,11 @@ import asyncio
 import logging
 from typing import Protocol
 
-import ucxx
-
 from . import auth, protocol, shm_lane
 from .auth import TokenSource, no_token
 from .channel import Channel
 from .errors import AuthFailed, PeerGone, ProtocolError, TransferError, TransferTimeout
+from .listener import create_listener
 
 log = logging.getLogger("kvmesh.transfer")
 
@@ -36,9 +33,11 @@ class RequestHandler(Protocol):
 
 
 class KVServer:
-    """Listens on ``port`` (0: any free port; read ``.port`` after ``start``). Use on one event loop."""
+    """Listens on ``host``:``port`` (0: any free port; read ``.port`` after ``start``); the default
+    host binds every interface. Use on one event loop."""
 
-    def __init__(self, handler: RequestHandler, port: int = 0, *, idle_timeout: float | None = None,
+    def __init__(self, handler: RequestHandler, port: int = 0, *, host: str = "0.0.0.0",
+                 idle_timeout: float | None = None,
                  token: TokenSource = no_token, auth_timeout: float = 10.0,
                  message_timeout: float | None = 30.0, shm: bool | None = None, max_lanes: int = 64) -> None:
         """``token``: the deployment's internal token; when it gives one, a connection must prove
@@ -56,6 +55,7 @@ class KVServer:
         self.auth_timeout = auth_timeout
         self.auth_failures = 0
         self.requested_port = port
+        self.host = host
         self.idle_timeout = idle_timeout
         self.shm = shm_lane.enabled_by_env() if shm is None else shm
         self.max_lanes = max_lanes
@@ -83,8 +83,8 @@ class KVServer:
         # No handshake timeout: ucxx abandons a timed-out handshake while its receive stays posted
         # into a freed buffer (see posted.py); a client that stalls mid-handshake holds one pending
         # accept until it resumes or its connection fails.
-        self._listener = ucxx.create_listener(self._on_connect, port=self.requested_port, connect_timeout=None)
-        log.info("KV transfer: listening on UCX port %d", self._listener.port)
+        self._listener = create_listener(self._on_connect, self.host, self.requested_port)
+        log.info("KV transfer: listening on UCX %s:%d", self.host, self._listener.port)
 
     async def _on_connect(self, ep: object) -> None:
         self._tasks.add(asyncio.current_task())

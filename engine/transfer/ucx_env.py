@@ -9,7 +9,15 @@ Python futures require; library users that run several loops keep ucxx's default
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
+import logging
 import os
+import socket
+import struct
+from collections.abc import MutableMapping
+
+log = logging.getLogger(__name__)
 
 DEFAULTS = {
     # A restarted process must get its UCX port back at once, while connections of its previous
@@ -27,10 +35,63 @@ DEFAULTS = {
 }
 
 
-def apply_ucx_defaults() -> None:
+def apply_ucx_defaults(bind_host: str | None = None, peers: tuple[str, ...] = (),
+                       env: MutableMapping[str, str] = os.environ) -> None:
+    """``bind_host``: the address the process's listeners bind. Besides the listener
+    (listener.py), UCX's TCP transport listens on every network device it uses; bound to one
+    address, the process gives UCX only that address's device (an explicit ``UCX_NET_DEVICES``
+    wins), so nothing of it listens elsewhere. Such a process reaches peers only through that
+    device, so ``peers`` (hosts it is configured to reach, e.g. its cache node) held elsewhere keep
+    every device; peers learnt later (a decode engine named per request) must be reachable there.
+    ``env``: the environment to set (the process's)."""
     for name, value in DEFAULTS.items():
-        os.environ.setdefault(name, value)
+        env.setdefault(name, value)
+    device = net_device_of(bind_host) if bind_host else None
+    elsewhere = [p for p in peers if net_device_of(_resolve(p)) != device]
+    if device is not None and "UCX_NET_DEVICES" not in env:
+        if elsewhere:
+            log.warning("KV transfer: UCX listens on every network device although %s is bound, to reach %s",
+                        bind_host, ", ".join(elsewhere))
+        else:
+            env["UCX_NET_DEVICES"] = device
+            log.info("KV transfer: UCX uses network device %s only (%s is bound)", device, bind_host)
     plain_pages_for_numpy()
+
+
+def _resolve(host: str) -> str:
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+    except (OSError, IndexError):
+        return host
+
+
+def net_device_of(host: str) -> str | None:
+    """The network interface holding ``host`` (an IPv4 literal or ``localhost``); None for a
+    wildcard, a name, or an address no interface holds (UCX then keeps its default: every device)."""
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if addr.version != 4 or addr.is_unspecified:
+        return None
+    if addr.is_loopback:  # the loopback device holds all of 127/8, and reports 127.0.0.1
+        addr = ipaddress.IPv4Address("127.0.0.1")
+    for _, name in socket.if_nameindex():
+        if _ipv4_of(name) == addr:
+            return name
+    return None
+
+
+def _ipv4_of(interface: str) -> ipaddress.IPv4Address | None:
+    SIOCGIFADDR = 0x8915  # noqa: N806 - the ioctl's name in <linux/sockios.h>
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", interface.encode()[:15]))
+        except OSError:  # no IPv4 address on it
+            return None
+    return ipaddress.IPv4Address(raw[20:24])
 
 
 def plain_pages_for_numpy() -> None:

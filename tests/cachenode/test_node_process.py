@@ -21,6 +21,7 @@ from kvmesh.engine.transfer.errors import ConnectFailed, HeaderMismatch, PeerGon
 from kvmesh.engine.transfer.header import BlockHeader
 from kvmesh.engine.transfer.loop_thread import LoopThread
 
+from ..support.listening import listening_sockets
 from ..support.processes import NodeProc
 from tests.support.kv_blocks import blocks, layout
 
@@ -46,6 +47,24 @@ def test_operator_command_line_parses(tmp_path):
     assert (s.memory, s.ucx_port) == (8 << 30, 9000)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["cache-node", "--memory", "lots"])
+
+
+def test_every_listener_binds_the_host_it_was_told(loop):
+    """HTTP, UCX (its listener and its TCP transport's own) and ZMQ: nothing of a node told
+    127.0.0.1 listens on another address; a client served there proves the UCX port is the node's."""
+    node = NodeProc().start()
+    try:
+        sockets = listening_sockets(node.proc.pid)
+        assert {node.http_port, node.ucx_port, node.events_port} <= {port for _, port in sockets}
+        assert {addr for addr, _ in sockets} == {"127.0.0.1"}
+        c = KVClient("127.0.0.1", node.ucx_port, loop=loop, timeout=10)
+        try:
+            blks, _ = blocks(layout(), 1)
+            assert c.put(blks).result(10) == [protocol.STORED]
+        finally:
+            c.close()
+    finally:
+        node.stop()
 
 
 def test_node_serves_blocks_http_and_events(loop):

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from tests.support.listening import listening_sockets
 from tests.support.processes import ServerProcess
 from tests.support.waits import nothing_held, wait_metric
 
@@ -342,3 +343,13 @@ def test_a_refused_handoff_leaves_the_others_alone_and_long_prefills_keep_their_
     finally:
         p.stop()
         d.stop()
+
+
+def test_engines_told_loopback_listen_there_only(prefill, decode):
+    """HTTP and UCX (the decode engine's KV listener, UCX's TCP transport in both, which the
+    handoffs above started) bind --host."""
+    for server in (prefill, decode):
+        sockets = listening_sockets(server.proc.pid)
+        assert server.port in {port for _, port in sockets}
+        assert {addr for addr, _ in sockets} == {"127.0.0.1"}, server.log_tail()
+    assert transfer_port(decode) in {port for _, port in listening_sockets(decode.proc.pid)}
