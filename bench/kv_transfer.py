@@ -16,8 +16,10 @@ engine's pooled connection is. A put stores fresh hashes each round, so it moves
 node's budget holds two rounds, so its first three rounds (``put_fill``: two fill the budget, the
 third arrives before the first evictions) land in memory the node touches for the first time, and
 the later ones (``put``, ``--repeat`` of them) in the memory of evicted blocks, which the node
-receives into again: the steady state of a full cache node. A get lands in a staging pool and hands the
-buffer back after checking it, as an engine does after its scatter.
+receives into again: the steady state of a full cache node. A put sends views of one buffer, as
+an engine's gather hands them over; a get lands in a staging pool and hands the buffer back after
+checking it, as an engine does after its scatter. ``*_cpu_s_per_gb``: CPU seconds (all threads)
+per GB moved in the steady-state rounds, of this process and of the node.
 
     cd / && /work/main/.venv/bin/python /work/main/bench/kv_transfer.py --tls tcp
 
@@ -101,12 +103,21 @@ def make_blocks(tokens: int) -> list[KVBlock]:
     extra = extra_key("bench-model", "bfloat16")
     layout = kv_layout(extra, "bfloat16", BLOCK_SIZE, 30, 3, 64)
     hashes = hash_blocks(list(range(tokens)), BLOCK_SIZE, extra)
-    rng = np.random.default_rng(1)
+    # Views of one buffer, as an engine's gather from its KV cache hands them to a put.
+    data = np.random.default_rng(1).integers(0, 255, layout.nbytes * len(hashes), dtype=np.uint8)
     out, parent = [], None
-    for h in hashes:
-        out.append(KVBlock(BlockHeader(layout, h, parent), rng.integers(0, 255, layout.nbytes, dtype=np.uint8)))
+    for i, h in enumerate(hashes):
+        out.append(KVBlock(BlockHeader(layout, h, parent), data[i * layout.nbytes:(i + 1) * layout.nbytes]))
         parent = h
     return out
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system, all threads) of this process, or of ``pid``."""
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def path_gbps(path: str, blocks: list[KVBlock], repeat: int) -> dict[str, list[float]]:
@@ -126,6 +137,19 @@ def path_gbps(path: str, blocks: list[KVBlock], repeat: int) -> dict[str, list[f
         layout = blocks[0].header.layout
         hashes = [b.block_hash for b in blocks]
         res: dict[str, list[float]] = {"put_fill": [], "put": [], "get": []}
+        # CPU seconds per GB moved, this process (the engine's side) and the node, steady state.
+        cpu: dict[str, list[float]] = {"put_cpu": [], "put_node_cpu": [], "get_cpu": [], "get_node_cpu": []}
+
+        def timed(what: str, fn):  # noqa: ANN001, ANN202
+            c0, n0, t0 = cpu_seconds(), cpu_seconds(node.pid), time.perf_counter()
+            out = fn()
+            dt = time.perf_counter() - t0
+            res[what].append(nbytes / dt / 1e9)
+            if what != "put_fill":
+                cpu[f"{what}_cpu"].append((cpu_seconds() - c0) / (nbytes / 1e9))
+                cpu[f"{what}_node_cpu"].append((cpu_seconds(node.pid) - n0) / (nbytes / 1e9))
+            return out
+
         # As an engine fetches: into a staging pool, each batch handed back once it has been used.
         staging = StagingPool()
         with KVClient("127.0.0.1", ucx_port, timeout=120, staging=staging) as c:
@@ -134,17 +158,13 @@ def path_gbps(path: str, blocks: list[KVBlock], repeat: int) -> dict[str, list[f
                 # Fresh hashes per round, so every put really moves its bytes.
                 round_blocks = [KVBlock(BlockHeader(layout, bytes([i]) + b.block_hash[1:], None), b.data)
                                 for b in blocks]
-                t0 = time.perf_counter()
-                statuses = c.put(round_blocks).result(300)
-                res["put_fill" if i < FILL_ROUNDS else "put"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                statuses = timed("put_fill" if i < FILL_ROUNDS else "put", lambda: c.put(round_blocks).result(300))
                 assert statuses.count("stored") == len(blocks), statuses[:3]
-                t0 = time.perf_counter()
-                got = c.get(layout, [b.block_hash for b in round_blocks]).result(300)
-                res["get"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                got = timed("get", lambda: c.get(layout, [b.block_hash for b in round_blocks]).result(300))
                 assert len(got) == len(hashes) and np.array_equal(got[-1].data, blocks[-1].data)
                 staging.give(got[0].data)
                 del got
-        return res
+        return res | cpu
     finally:
         node.terminate()
         node.wait(30)
@@ -176,7 +196,9 @@ def main() -> None:
                               "--one-path", path], capture_output=True, text=True, check=True)
         res = json.loads(out.stdout.strip().splitlines()[-1])
         report[path] = {f"{k}_{what}": round(v, 3 if what == "gbps" else 1) for k, runs in res.items()
+                        if not k.endswith("cpu")
                         for what, v in (("gbps", med(runs)), ("pct_memcpy", 100 * med(runs) / memcpy))}
+        report[path] |= {f"{k}_s_per_gb": round(med(runs), 3) for k, runs in res.items() if k.endswith("cpu")}
     print(json.dumps(report, indent=1))
 
 

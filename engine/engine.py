@@ -220,7 +220,8 @@ class LLMEngine:
         if cfg.cpu_kv_bytes or cfg.cache_node:
             from kvmesh.engine.kv.tier_setup import build_tiers
 
-            self.tiers, self._cache_node = build_tiers(cfg, self.kv, self.runner.kv_cache, self.events.publish)
+            self.tiers, self._cache_node = build_tiers(cfg, self.kv, self.runner.kv_cache, self.events.publish,
+                                                        self.max_model_len)
         self.state_slots: HybridStateManager | None = None
         if hybrid:
             ckpts = None

@@ -200,6 +200,10 @@ class BlockPool:
                 self.on_evict(evicted)
             for b in evicted:
                 b.block_hash = b.parent_hash = None
+        # Which blocks are taken is the queue's choice; which position each serves is not, and
+        # ascending ids make a request's blocks consecutive runs (freed in reverse, they come
+        # back descending), so loading a fetch into them is a few slice copies (gather.py).
+        out.sort(key=lambda b: b.block_id)
         return out
 
     def free(self, blocks: Iterable[KVBlock]) -> None:

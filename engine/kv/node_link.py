@@ -61,8 +61,10 @@ def resolve_node(host: str, port: int, timeout: float = 2.0, token: str | None =
 
 class CacheNodeLink:
     def __init__(self, address: str, *, timeout: float = 5.0, retry_s: float = 5.0,
-                 token: Callable[[], str | None] = lambda: None) -> None:
-        """``token`` gives the internal token (re-read on rotation) the node's /kv/info needs."""
+                 token: Callable[[], str | None] = lambda: None, max_fetch_bytes: int = 0) -> None:
+        """``token`` gives the internal token (re-read on rotation) the node's /kv/info needs.
+        ``max_fetch_bytes``: the largest fetch (a longest prompt's KV); staging for fetches up to
+        it is faulted in on a background thread, so a first reload lands as fast as later ones."""
         self.host, self.port = parse_host_port(address)
         self.token = token
         self.address = address
@@ -77,6 +79,9 @@ class CacheNodeLink:
         self.peer: str | None = None
         self.staging = StagingPool()
         """Where fetches land; the remote tier hands each batch back once it is in the KV cache."""
+        if max_fetch_bytes:
+            threading.Thread(target=self.staging.warm, args=(max_fetch_bytes,), name="kvmesh-staging-warm",
+                             daemon=True).start()
         self.resolve_async()
 
     def clients(self) -> tuple[Any, Any] | None:

@@ -38,7 +38,7 @@ import torch
 
 from kvmesh.engine.kv.gather import gather_blocks
 from ..transfer.buffers import KVBlock as WireBlock
-from ..transfer.buffers import as_bytes
+from ..transfer.buffers import as_bytes, covering
 from ..transfer.errors import HeaderMismatch, TransferError
 from ..transfer.header import BlockHeader, BlockLayout
 from ..transfer.staging import StagingPool
@@ -84,14 +84,8 @@ class Fetch:
 def one_buffer(datas: Sequence[np.ndarray]) -> np.ndarray:
     """The payloads as one flat array: a view when they lie back to back in one buffer (as
     ``KVClient.get`` returns them), else one copy."""
-    first = datas[0]
-    nb, base = first.nbytes, first.base
-    start = first.ctypes.data
-    if (isinstance(base, np.ndarray) and base.ndim == 1 and base.dtype == np.uint8
-            and all(d.base is base and d.nbytes == nb and d.ctypes.data == start + i * nb for i, d in enumerate(datas))):
-        offset = start - base.ctypes.data
-        return base[offset:offset + nb * len(datas)]
-    return np.concatenate(datas)
+    flat = covering(datas)
+    return np.concatenate(datas) if flat is None else flat
 
 
 class RemoteTier:

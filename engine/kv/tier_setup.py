@@ -19,15 +19,15 @@ from .tiers import KVTiers
 
 
 def build_tiers(cfg: EngineConfig, kv: KVCacheManager, kv_cache: torch.Tensor,
-                on_event: KVEventHandler) -> tuple[KVTiers, Any]:
+                on_event: KVEventHandler, max_model_len: int) -> tuple[KVTiers, Any]:
     """(tiers, cache-node link or None). ``kv_cache`` is [layers, 2, blocks, block_size, heads, dim]."""
     if not kv.enable_caching:
         raise ConfigError("--cpu-kv-bytes and --cache-node need prefix caching (drop --no-prefix-caching)")
     shape = block_shape(kv_cache)
     bs = shape[2]
+    block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
     host = None
     if cfg.cpu_kv_bytes:
-        block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
         slots = cfg.cpu_kv_bytes // block_bytes
         if slots < 1:
             raise ConfigError(f"--cpu-kv-bytes {cfg.cpu_kv_bytes} holds no KV block of {block_bytes} bytes")
@@ -38,8 +38,10 @@ def build_tiers(cfg: EngineConfig, kv: KVCacheManager, kv_cache: torch.Tensor,
         from .node_link import CacheNodeLink
 
         token = TokenFile(cfg.auth_token_file) if cfg.auth_token_file else None
+        # A fetch holds at most the blocks before a longest prompt's last token.
+        max_fetch = min(kv_cache.shape[2], (max_model_len - 1) // bs) * block_bytes
         link = CacheNodeLink(cfg.cache_node, timeout=cfg.cache_node_timeout,
-                             token=lambda: token.token if token is not None else None)
+                             token=lambda: token.token if token is not None else None, max_fetch_bytes=max_fetch)
         remote = RemoteTier(link.clients, cache_layout(kv.extra, kv_cache), shape, kv_cache.dtype,
                             timeout=cfg.cache_node_timeout, on_failure=link.on_failure, staging=link.staging)
     return KVTiers(kv, kv_cache, host, remote), link

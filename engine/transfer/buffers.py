@@ -9,7 +9,7 @@ message; a caller that already holds a block as one flat array sends it as it is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,29 @@ def as_bytes(buf: Any) -> np.ndarray:
     if not arr.flags.c_contiguous:
         raise ValueError("KV buffer array is not C-contiguous; a zero-copy view needs contiguous memory")
     return arr.reshape(-1).view(np.uint8)
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def covering(views: Sequence[np.ndarray]) -> np.ndarray | None:
+    """One uint8 view of the memory ``views`` (1-D uint8, in order) occupy when they lie back to
+    back in one C-contiguous buffer; None otherwise. Writing into it writes into them."""
+    if len(views) == 1:
+        return views[0]
+    root = _root(views[0])
+    if not root.flags.c_contiguous or any(_root(v) is not root for v in views[1:]):
+        return None
+    start = addr = views[0].ctypes.data
+    for v in views:
+        if v.ctypes.data != addr:
+            return None
+        addr += v.nbytes
+    offset = start - root.ctypes.data
+    return root.reshape(-1).view(np.uint8)[offset:offset + addr - start]
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Framing over one ucxx endpoint: control messages and block payloads, with ucxx errors mapped.
 
 ucxx tag receives need a buffer of the message's exact size, so a control message goes as two
-tag messages (8-byte length, then msgpack body). A block payload goes as one tag message into a
-buffer the receiver allocates from the header it already checked, so a sender can never make the
-receiver allocate more than the header announced. Payload messages carry their index in the batch
-as the tag, so several may be in flight at once without relying on matching order.
+tag messages (8-byte length, then msgpack body). A batch's payloads go as the byte stream of its
+blocks cut into messages of a few MiB (``ucx_payloads``), received into buffers the receiver
+allocates from the header it already checked, so a sender can never make the receiver allocate
+more than the header announced.
 
 Must run on the event loop that drives ucxx (see ``loop_thread``). Every ucxx failure surfaces as
 ``PeerGone``; a ``Channel`` that raised is broken and must be aborted, never reused. Every ucxx
@@ -27,16 +27,13 @@ import msgspec
 import numpy as np
 from ucxx.exceptions import UCXError
 
-from . import protocol, shm_lane
+from . import protocol, shm_lane, ucx_payloads
 from .errors import LaneMismatch, PeerGone, ProtocolError, TransferTimeout
 from .posted import post, start
 from .shm_lane import LaneUnavailable, ShmLane
 
 MAX_CONTROL_BYTES = 64 << 20
 """A control message larger than this is a protocol error (headers of ~100k blocks fit easily)."""
-PAYLOAD_WINDOW = 64
-"""Payload messages in flight per direction: enough to keep the wire busy, bounded so a huge batch
-does not post thousands of requests at once."""
 _PAYLOAD_TAG_BASE = 1 << 20  # keeps payload tags apart from the default control tag's hash input
 _THREAD_COPY_BYTES = 1 << 20
 """Lane copies at least this large run on a worker thread, so the event loop (other connections,
@@ -47,7 +44,9 @@ MIN_LANE_CHUNK, MAX_LANE_CHUNK = 1 << 20, 64 << 20
 class Channel:
     """One connection's framing. Not thread-safe; one request at a time per channel."""
 
-    def __init__(self, endpoint: object, peer: str) -> None:
+    def __init__(self, endpoint: object, peer: str, slots: ucx_payloads.Slots | None = None) -> None:
+        """``slots``: the copy slots of the server or client this connection belongs to (one pool
+        per process role bounds their memory); a channel of its own makes its own."""
         self.ep = endpoint
         self.peer = peer
         self.broken = False
@@ -55,6 +54,7 @@ class Channel:
         """Control messages received so far (tells a stale connection from a peer that died mid-answer)."""
         self.lane: ShmLane | None = None
         """The same-host lane, once ``offer_lane``/``answer_lane`` set one up."""
+        self._slots = slots if slots is not None else ucx_payloads.Slots()
 
     @property
     def alive(self) -> bool:
@@ -129,12 +129,11 @@ class Channel:
 
     # ---- payloads -------------------------------------------------------------------------------
     async def send_payloads(self, arrays: Sequence[np.ndarray]) -> None:
-        """Send each array as one tag message (tag = its index), at most ``PAYLOAD_WINDOW`` at once."""
+        """Send the arrays' bytes, in order (the receiver cuts them by the sizes it expects)."""
         if self.lane is not None:
             await self._lane_io(self._lane_send(arrays))
             return
-        ep = self._live()
-        await self._io(self._windowed([ep.send(a, tag=_PAYLOAD_TAG_BASE + i) for i, a in enumerate(arrays)]),
+        await self._io(ucx_payloads.send(self._live(), arrays, _PAYLOAD_TAG_BASE, self._slots),
                        f"sending {len(arrays)} block payloads")
 
     async def recv_payloads_into(self, out: Sequence[np.ndarray]) -> None:
@@ -142,8 +141,7 @@ class Channel:
         if self.lane is not None:
             await self._lane_io(self._lane_recv(out))
             return
-        ep = self._live()
-        await self._io(self._windowed([ep.recv(a, tag=_PAYLOAD_TAG_BASE + i) for i, a in enumerate(out)]),
+        await self._io(ucx_payloads.recv_into(self._live(), out, _PAYLOAD_TAG_BASE, self._slots),
                        f"receiving {len(out)} block payloads")
 
     async def recv_payloads(self, sizes: Sequence[int],
@@ -155,24 +153,9 @@ class Channel:
         if self.lane is not None:
             await self._lane_io(self._lane_recv(out))
             return out
-        ep = self._live()
-        await self._io(self._windowed([ep.recv(a, tag=_PAYLOAD_TAG_BASE + i) for i, a in enumerate(out)]),
+        await self._io(ucx_payloads.recv_into(self._live(), out, _PAYLOAD_TAG_BASE, self._slots),
                        f"receiving {len(sizes)} block payloads")
         return out
-
-    @staticmethod
-    async def _windowed(coros: list) -> None:
-        # Coroutines are started in index order, window by window; each posts its ucxx request on
-        # its first step, so requests are posted in order and matched by their distinct tags. A
-        # failed window leaves its other operations posted: the caller's abort completes them.
-        for first in range(0, len(coros), PAYLOAD_WINDOW):
-            batch = [post(c) for c in coros[first:first + PAYLOAD_WINDOW]]
-            try:
-                await asyncio.gather(*batch)
-            except BaseException:
-                for c in coros[first + PAYLOAD_WINDOW:]:
-                    c.close()  # never started: close so Python does not warn about them
-                raise
 
     # ---- the same-host lane ---------------------------------------------------------------------
     async def offer_lane(self, chunk_bytes: int = shm_lane.DEFAULT_CHUNK_BYTES) -> bool:

@@ -32,7 +32,7 @@ import numpy as np
 import ucxx
 from ucxx.exceptions import UCXError
 
-from . import auth, protocol, shm_lane
+from . import auth, protocol, shm_lane, ucx_payloads
 from kvmesh.engine.block_hash import ROOT_HASH
 from .auth import TokenSource, no_token
 from .buffers import KVBlock
@@ -94,6 +94,7 @@ class AsyncKVClient:
         self._closed = False
         self._handshake: asyncio.Task | None = None  # the handshake under way, if any (see _connect)
         self._handshake_waiters = 0
+        self._copy_slots = ucx_payloads.Slots()  # every connection's payload copies share these
 
     # ---- requests -------------------------------------------------------------------------------
     async def put(self, blocks: Sequence[KVBlock], timeout: float | None = None) -> list[str]:
@@ -319,7 +320,7 @@ class AsyncKVClient:
             if self._handshake is attempt:  # the first caller to wake takes the endpoint
                 self._handshake = None
                 break
-        ch = Channel(ep, self.peer)
+        ch = Channel(ep, self.peer, self._copy_slots)
         try:
             mine = auth.nonce()
             await ch.send(protocol.Hello(protocol.PROTOCOL_VERSION, "client", mine))

@@ -33,7 +33,8 @@ import msgspec
 
 from .header import BlockBatch, BlockLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: a batch's payloads travel as chunks of a few MiB (ucx_payloads), not a message per block."""
 
 # Per-block outcomes of a put.
 STORED = "stored"

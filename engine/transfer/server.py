@@ -13,7 +13,7 @@ import asyncio
 import logging
 from typing import Protocol
 
-from . import auth, protocol, shm_lane
+from . import auth, protocol, shm_lane, ucx_payloads
 from .auth import TokenSource, no_token
 from .channel import Channel
 from .errors import AuthFailed, PeerGone, ProtocolError, TransferError, TransferTimeout
@@ -59,6 +59,7 @@ class KVServer:
         self.idle_timeout = idle_timeout
         self.shm = shm_lane.enabled_by_env() if shm is None else shm
         self.max_lanes = max_lanes
+        self._copy_slots = ucx_payloads.Slots()  # every connection's payload copies share these
         self._listener = None
         self._channels: set[Channel] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -88,7 +89,7 @@ class KVServer:
 
     async def _on_connect(self, ep: object) -> None:
         self._tasks.add(asyncio.current_task())
-        ch = Channel(ep, "client")
+        ch = Channel(ep, "client", self._copy_slots)
         self._channels.add(ch)
         self.connections_total += 1
         try:

@@ -1,9 +1,11 @@
 """Receive buffers reused across transfers, so a payload lands in memory that is already mapped.
 
 A fresh buffer pays a page fault per 4 KiB page on its first write: on the 2-core VMs here that
-ran at 1.7-2.2 GB/s, below what the same-host lane moves, so a 157 MB reload spent ~90 ms faulting
-memory in before its bytes could land. A buffer handed back after its contents were used (the
-scatter into the KV cache is done) is handed out again instead.
+ran at 1.7-2.2 GB/s in a quiet process and several times slower in an engine whose transfer
+threads were busy receiving, below what the same-host lane or UCX moves, so a process's first
+157 MB reload took up to 4x as long as later ones (docs/benchmarks.md, "KV transfer"). A buffer
+handed back after its contents were used (the scatter into the KV cache is done) is handed out
+again instead, and ``warm`` faults buffers in ahead of need.
 
 Invariants: a buffer is handed out by ``take`` only if it is fresh or its last user called
 ``give`` on it (the pool never guesses that a buffer is unused); free buffers hold at most
@@ -59,3 +61,20 @@ class StagingPool:
                 if total > self.max_free_bytes:
                     del self._free[i:]
                     break
+
+    def warm(self, largest: int, smallest: int = 16 << 20) -> int:
+        """Fault in free buffers now, so the first fetches land in mapped memory: sizes
+        ``largest``, ``largest / 2``, ... down to ``smallest`` (each serves requests from half its
+        size up, so together they serve every size in between), as many as ``max_free_bytes``
+        holds; a ``largest`` beyond half of that starts at half of it (larger fetches fault as
+        before). Returns the bytes made ready. Slow (page faults): call off the hot path."""
+        sizes, total, size = [], 0, min(largest, self.max_free_bytes // 2)
+        while size >= smallest and total + size <= self.max_free_bytes:
+            sizes.append(size)
+            total += size
+            size //= 2
+        for size in sizes:
+            buf = np.empty(size, np.uint8)
+            buf.fill(0)  # the write is what maps the pages (np.zeros would only reserve them)
+            self.give(buf)
+        return total

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvmesh.engine.kv.gather import block_shape, gather_blocks, scatter_blocks
+from kvmesh.engine.kv.gather import block_shape, gather_blocks, id_runs, scatter_blocks
 from kvmesh.engine.kv.remote_tier import one_buffer
 
 
@@ -24,6 +24,27 @@ def test_gather_is_each_blocks_layers_in_wire_order_and_scatter_inverts_it(dtype
     for i, b in enumerate([1, 3, 5, 8]):
         assert torch.equal(fresh[:, :, b], kv[:, :, ids[i]])
     assert int((fresh != 0).any(dim=(0, 1, 3, 4, 5)).sum()) == 4  # nothing else written
+
+
+@pytest.mark.parametrize("ids", [
+    list(range(3, 19)),  # one run: slice copies
+    [*range(0, 8), *range(20, 28)],  # two runs
+    [*range(30, 39), 1, 2, *range(10, 15)],  # runs out of order
+    [5, 2, 9, 14, 0, 31, 17, 8, 22, 27, 11, 3, 35, 6, 19, 25],  # scattered: the indexed copy
+])
+def test_scatter_writes_exactly_the_listed_blocks_whatever_their_runs(ids):
+    gen = torch.Generator().manual_seed(1)
+    data = torch.randn(len(ids), 2, 2, 4, 2, 8, generator=gen)
+    kv = torch.zeros(2, 2, 40, 4, 2, 8)
+    scatter_blocks(kv, ids, data)
+    for i, b in enumerate(ids):
+        assert torch.equal(kv[:, :, b], data[i])
+    assert int((kv != 0).any(dim=(0, 1, 3, 4, 5)).sum()) == len(ids)
+
+
+def test_id_runs_cover_the_ids_in_order():
+    assert id_runs([4, 5, 6, 1, 2, 9]) == [(4, 0, 3), (1, 3, 2), (9, 5, 1)]
+    assert id_runs([]) == []
 
 
 def test_one_buffer_is_a_view_for_back_to_back_payloads_and_a_copy_otherwise():

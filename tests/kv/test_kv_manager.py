@@ -139,7 +139,7 @@ def test_free_evicts_end_of_sequence_first():
     kv.free("a")
     # The partial block holds nothing reusable; the next victim is the last full block.
     got = kv.allocate_slots("x", list(range(100, 108)), 8)
-    assert [b.block_id for b in got] == [a_ids[3], a_ids[2]]
+    assert sorted(b.block_id for b in got) == sorted([a_ids[3], a_ids[2]])
     _, n = kv.get_computed_blocks("b", prompt + [6])
     assert n == 8
     kv.check_integrity()

@@ -68,3 +68,16 @@ def test_threads_taking_and_giving_never_share_a_buffer():
     for t in threads:
         t.join()
     assert not errors and not clashes and pool.reused > 0
+
+
+def test_warm_buffers_serve_every_size_down_to_the_smallest_within_the_budget():
+    pool = StagingPool(max_free_bytes=1000)
+    assert pool.warm(400, smallest=50) == 400 + 200 + 100 + 50
+    for n in (400, 201, 150, 60, 26):  # each fits a warm buffer (at most twice its size)...
+        pool.give(got := pool.take(n))
+        assert got.base.nbytes in (400, 200, 100, 50)
+    assert pool.reused == 5
+    pool.take(24)  # ...below half the smallest, a fresh one
+    assert pool.reused == 5
+    # Bounded by the budget: a largest beyond half of it starts at half.
+    assert StagingPool(max_free_bytes=500).warm(400, smallest=50) == 250 + 125 + 62

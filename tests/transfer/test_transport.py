@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvmesh.engine.cachenode.service import CacheNodeHandler
-from kvmesh.engine.transfer import protocol
+from kvmesh.engine.transfer import protocol, ucx_payloads
 from kvmesh.engine.transfer.client import ClientBusy, KVClient
 from kvmesh.engine.transfer.errors import ConnectFailed, HeaderMismatch, PeerGone, TransferTimeout
 from kvmesh.engine.transfer.loop_thread import LoopThread
@@ -151,9 +151,10 @@ def test_hung_peer_times_out_and_connection_is_replaced(loop):
         node.close()
 
 
-def test_peer_dropping_mid_transfer_is_a_clean_error(loop):
-    node = Node(loop, wrap=DropMidPayload)
+def test_peer_dropping_mid_transfer_is_a_clean_error(loop, monkeypatch):
     lay = layout(block_size=16, layers=4)
+    monkeypatch.setattr(ucx_payloads, "CHUNK_BYTES", lay.nbytes)  # block 0 is a whole message
+    node = Node(loop, wrap=DropMidPayload)
     blks, _ = blocks(lay, 8)
     try:
         with node.client(timeout=10.0) as c:
@@ -169,9 +170,10 @@ def test_peer_dropping_mid_transfer_is_a_clean_error(loop):
     assert node.server.open_connections == 0
 
 
-def test_put_abandoned_mid_payload_gives_reservations_back(loop):
-    node = Node(loop)
+def test_put_abandoned_mid_payload_gives_reservations_back(loop, monkeypatch):
     lay = layout()
+    monkeypatch.setattr(ucx_payloads, "CHUNK_BYTES", lay.nbytes)  # block 0 is a whole message
+    node = Node(loop)
     blks, _ = blocks(lay, 4)
 
     async def half_put():

@@ -10,6 +10,7 @@ set, and delivers endpoints to the callback the same way, so the result is an or
 import logging
 import weakref
 
+from cpython.ref cimport Py_INCREF
 from libc.stdint cimport uint16_t, uintptr_t
 from libcpp.memory cimport make_unique, shared_ptr, unique_ptr
 from libcpp.string cimport string
@@ -47,8 +48,11 @@ def create(UCXWorker worker, str host, uint16_t port, cb_func, tuple cb_args):
     cdef UCXListener listener = UCXListener.__new__(UCXListener)
     cdef string c_host = host.encode()
     cdef unique_ptr[HostListenerBuilder] builder
-    # Kept alive by the listener: the C callback only borrows it.
     cdef dict cb_data = {"cb_func": cb_func, "cb_args": cb_args, "listener": weakref.ref(listener)}
+    # The C++ listener outlives this object while endpoints it accepted hold it, and a late
+    # connection request then still calls back with this dict: it must never be freed (one small
+    # dict per listener; a process makes a few), or the callback reads freed memory.
+    Py_INCREF(cb_data)
     listener._cb_data = cb_data
     listener._enable_python_future = worker.enable_python_future
     with nogil:
