@@ -23,13 +23,6 @@ pytestmark = pytest.mark.timeout(120)
 TOKEN = "bound-listener-token"
 
 
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
 def _server(loop: LoopThread, host: str) -> KVServer:
     server = KVServer(CacheNodeHandler(BlockStore(1 << 26), payload_timeout=2.0), host=host, token=lambda: TOKEN)
     loop.call(server.start(), 60)  # the first start may build the extension

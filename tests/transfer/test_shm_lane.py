@@ -274,13 +274,6 @@ def test_the_exchange_hands_memfds_both_ways_and_ignores_a_caller_without_the_no
 
 
 # ---- over a real connection ----------------------------------------------------------------------
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
 def lane_node(loop: LoopThread, shm: bool = True) -> Node:
     # Small chunks: a put spans many, and both slots turn over.
     return Node(loop, shm=shm, client_defaults={"lane_chunk_bytes": MiB, "timeout": 20})

@@ -18,19 +18,11 @@ from kvmesh.engine.cachenode.service import CacheNodeHandler
 from kvmesh.engine.transfer import protocol, ucx_payloads
 from kvmesh.engine.transfer.client import ClientBusy, KVClient
 from kvmesh.engine.transfer.errors import ConnectFailed, HeaderMismatch, PeerGone, TransferTimeout
-from kvmesh.engine.transfer.loop_thread import LoopThread
 
 from tests.support.kv_blocks import blocks, layout
 from tests.support.kv_server import Node
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture(params=[False, True], ids=["ucx", "lane"])

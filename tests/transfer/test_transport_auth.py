@@ -21,13 +21,6 @@ pytestmark = pytest.mark.timeout(60)
 TOKEN = "the-deployment-token"
 
 
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
 def _server(loop: LoopThread, token: str | None) -> tuple[KVServer, BlockStore]:
     store = BlockStore(1 << 26)
     server = KVServer(CacheNodeHandler(store, payload_timeout=2.0), token=lambda: token, auth_timeout=2.0)

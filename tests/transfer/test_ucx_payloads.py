@@ -50,13 +50,6 @@ def _pair(loop: LoopThread, sender, receiver):
     loop.call(run(), 30)
 
 
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
 @pytest.mark.parametrize("scattered_side", ["sender", "receiver", "both", "neither"])
 def test_bytes_arrive_in_order_whichever_side_is_scattered(loop, scattered_side):
     rng = np.random.default_rng(0)
