@@ -22,7 +22,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from kvmesh.engine.kernels.extend_attention import paged_extend_attention_ref
 from kvmesh.engine.kernels.rmsnorm import _check_inputs as _check_rms_inputs
 from kvmesh.engine.kernels.rmsnorm import rms_norm_ref
 from kvmesh.engine.kernels.rope import _check_rope_inputs, rope_write_kv_ref
-from kvmesh.engine.util.cache_dir import default_cache_dir
+from kvmesh.engine.util.cache_dir import building, default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -89,15 +88,12 @@ def _cpu_fingerprint() -> str:
 
 
 def _build(cc: str, target: Path, march: str) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
     flags = [f if f != "-march=native" else f"-march={march}" for f in _FLAGS]
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
+    with building(target) as out:
         proc = subprocess.run([cc, *flags, *(str(_CSRC / f) for f in _SOURCES), "-o", str(out), "-lm"],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed to build the native CPU kernels:\n{proc.stderr[-2000:]}")
-        os.replace(out, target)  # atomic: concurrent builders never load a partial file
 
 
 def build_library(march: str = "native", cache_dir: Path | None = None) -> ctypes.CDLL:

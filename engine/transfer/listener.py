@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
@@ -26,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kvmesh.engine.util.cache_dir import default_cache_dir
+from kvmesh.engine.util.cache_dir import building, default_cache_dir
 
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "*"})
 _SOURCE = Path(__file__).with_name("csrc") / "kvmesh_ucx_listener.pyx"
@@ -109,16 +108,14 @@ def _build(target: Path) -> None:
         raise ListenerBindError(f"binding the UCX listener to one address needs Cython to build {_SOURCE.name} "
                                 "once (pip install Cython), or bind every interface with --host 0.0.0.0")
     ucxx_dir, libucxx_dir, libucx_dir = (_package_dir(n) for n in ("ucxx", "libucxx", "libucx"))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cpp, out = Path(tmp) / f"{_MODULE}.cpp", Path(tmp) / target.name
+    with building(target) as out:
+        cpp = out.with_name(f"{_MODULE}.cpp")
         _run([sys.executable, "-m", "cython", "--cplus", "-3", "-I", str(ucxx_dir.parent), str(_SOURCE),
               "-o", str(cpp)], "Cython")
         lib = libucxx_dir / "lib64"
         _run([cxx, *_CXXFLAGS, f"-I{sysconfig.get_paths()['include']}", f"-I{libucxx_dir / 'include'}",
               f"-I{libucx_dir / 'include'}", f"-I{ucxx_dir / 'include'}", str(cpp), f"-L{lib}", "-lucxx",
               f"-Wl,-rpath,{lib}", "-o", str(out)], cxx)
-        os.replace(out, target)  # atomic: concurrent builders never load a partial file
 
 
 def _run(cmd: list[str], what: str) -> None:
