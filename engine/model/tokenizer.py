@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvmesh.engine.model.piece_memo import PieceMemo
+
 _REPLACEMENT = "\ufffd"
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -156,6 +158,7 @@ class Tokenizer:
             [i for i, t in added.items() if t.special] + list(hf_tokenizer.all_special_ids)
         )
         self._byte_fallback_ids: frozenset[int] | None = None
+        self._memo = PieceMemo.for_backend(backend)
 
     @property
     def byte_fallback_ids(self) -> frozenset[int]:
@@ -291,6 +294,8 @@ class Tokenizer:
     # ---- text <-> ids ------------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if self._memo is not None and not add_special_tokens:
+            return self._memo.encode(text)  # the same ids, long repeated stretches remembered
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -78,6 +78,9 @@ class RouterSettings:
     ext_proc_port: int | None = None
     """Also serve the pick to Envoy over ext_proc on this port (engine/router/extproc.py; 0: any free one)."""
     ext_proc_host: str = "127.0.0.1"
+    ext_proc_front: str = "auto"
+    """Who carries the ext_proc streams: "compiled" (engine/router/front/, built on first use),
+    "python" (grpc.aio on the router's loop), or "auto" (compiled where it builds, else python)."""
 
     @property
     def disaggregated(self) -> bool:
@@ -215,12 +218,12 @@ class RouterApp:
             d.prefill_fleet = self._prefill_fleet_factory(d.session)
         await asyncio.gather(*(f.start() for f in self._fleets()))
         if self.settings.ext_proc_port is not None:
-            from kvmesh.engine.router.extproc import ExtProcServer  # grpc only when serving it
+            from kvmesh.engine.router.front_proc import FrontUnavailable, ext_proc_server
 
-            server = ExtProcServer(self, self.settings.ext_proc_host, self.settings.ext_proc_port)
             try:
+                server = await ext_proc_server(self)
                 await server.start()
-            except OSError:
+            except (OSError, FrontUnavailable):
                 await self.shutdown()  # nothing half-started outlives the failed startup
                 raise
             self.ext_proc = server
@@ -365,17 +368,28 @@ class RouterApp:
         cache salt goes into the body first, so the hash chain is the tenant's; the prompt is
         tokenized and hashed as the engines do. Shared by the proxy and the ext_proc picker, so
         both pick from the same prompt view."""
+        now = self.prepare_now(path, body, authorization)
+        if now is not None:
+            return now
+        # Long prompts take milliseconds to tokenize; the Rust tokenizer releases the GIL, so a
+        # worker thread keeps the loop relaying other requests' chunks meanwhile.
+        body = self._salted(body, authorization)
+        info = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, analyze, path, body,
+                                                                self.tokenizer)
+        return body, info
+
+    def prepare_now(self, path: str, body: bytes, authorization: bytes | str | None) -> tuple[bytes, PromptInfo] | None:
+        """``prepare``'s answer where it takes no worker thread (a short body), else None."""
+        if self.tokenizer is not None and len(body) > OFFLOAD_BODY_BYTES:
+            return None
+        body = self._salted(body, authorization)
+        return body, analyze(path, body, self.tokenizer)
+
+    def _salted(self, body: bytes, authorization: bytes | str | None) -> bytes:
         auth = self.settings.auth
         if auth.isolate_tenants:  # before hashing: the router's index sees the tenant's chain
             body = with_cache_salt(body, lambda own: auth.cache_salt(authorization, own))
-        if self.tokenizer is not None and len(body) > OFFLOAD_BODY_BYTES:
-            # Long prompts take milliseconds to tokenize; the Rust tokenizer releases the GIL, so a
-            # worker thread keeps the loop relaying other requests' chunks meanwhile.
-            info = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, analyze, path, body,
-                                                                    self.tokenizer)
-        else:
-            info = analyze(path, body, self.tokenizer)
-        return body, info
+        return body
 
     async def _serve(self, scope: dict[str, Any], body: bytes, send: proxy.Send, path: str) -> None:
         assert self.fleet is not None and self.session is not None

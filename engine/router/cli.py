@@ -43,6 +43,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="also serve the pick to Envoy as a Gateway API Inference Extension endpoint picker "
                         "(gRPC envoy.service.ext_proc.v3.ExternalProcessor + grpc.health.v1) on this port, on "
                         "--host; the HTTP proxy keeps serving on --port (docs/gateway.md)")
+    r.add_argument("--ext-proc-front", choices=("auto", "compiled", "python"), default="auto",
+                   help="who carries the ext_proc streams: the compiled front (a small Go program asking this "
+                        "router for each pick; built on first use with the Go toolchain), grpc.aio inside this "
+                        "process, or auto: compiled where it can be built, else python (default: %(default)s)")
 
     d = p.add_argument_group("engines")
     d.add_argument("--engines", default=None, metavar="URL,...",
@@ -177,6 +181,7 @@ def settings_from_args(args: argparse.Namespace):  # -> RouterSettings
         pd_max_queued=args.pd_max_queued, session_idle_s=args.session_idle_s,
         load=LoadModel(args.running_cost_tokens, args.max_running_per_engine, shed_running=args.shed_above_running),
         max_attempts=args.max_attempts, ext_proc_port=args.ext_proc_port, ext_proc_host=args.host,
+        ext_proc_front=args.ext_proc_front,
         resolve_interval_s=args.resolve_interval_s, health_interval_s=args.health_interval_s,
         sync_timeout_s=args.sync_timeout_s, max_request_bytes=args.max_request_bytes, auth=auth)
 

@@ -41,6 +41,9 @@ BODY_MODE_NAMES = {BODY_NONE: "NONE", BODY_STREAMED: "STREAMED", BODY_BUFFERED: 
                    BODY_BUFFERED_PARTIAL: "BUFFERED_PARTIAL", BODY_FULL_DUPLEX: "FULL_DUPLEX_STREAMED"}
 
 
+EMPTY_MESSAGE = "empty ext_proc message: it carries no headers, body or trailers"
+
+
 class ProtocolError(ValueError):
     """The gateway sent something the picker cannot act on; the message says what to change."""
 
@@ -72,13 +75,27 @@ def subset_hint(metadata: base_pb2.Metadata) -> frozenset[str] | None:
     value = ns.fields[SUBSET_KEY]
     kind = value.WhichOneof("kind")
     if kind == "list_value":
-        items: Iterable[str] = (v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value")
-    elif kind == "string_value":
-        items = value.string_value.split(",")
+        return subset_of([v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value"])
+    if kind == "string_value":
+        return subset_of(value.string_value)
+    raise _bad_subset(kind or "empty value")
+
+
+def subset_of(value: object) -> frozenset[str]:
+    """The candidates from the hint's value as JSON has it (the compiled front sends it so): a
+    list of ``IP:PORT`` strings (other items ignored) or one comma-separated string."""
+    if isinstance(value, str):
+        items: Iterable[str] = value.split(",")
+    elif isinstance(value, list):
+        items = (v for v in value if isinstance(v, str))
     else:
-        raise ProtocolError(f"metadata {SUBSET_NAMESPACE}/{SUBSET_KEY} must be a list of IP:PORT strings, "
-                            f"got a {kind}")
+        raise _bad_subset({dict: "struct_value", bool: "bool_value", type(None): "null_value"}.get(
+            type(value), "number_value"))
     return frozenset(i.strip() for i in items if i.strip())
+
+
+def _bad_subset(kind: str) -> ProtocolError:
+    return ProtocolError(f"metadata {SUBSET_NAMESPACE}/{SUBSET_KEY} must be a list of IP:PORT strings, got a {kind}")
 
 
 def served_endpoint(headers: Mapping[str, str], metadata: base_pb2.Metadata) -> str | None:
@@ -154,13 +171,27 @@ def streamed_body(body: bytes, end_of_stream: bool, request: bool = True) -> pb.
     return pb.ProcessingResponse(request_body=answer) if request else pb.ProcessingResponse(response_body=answer)
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """What the client gets instead of an engine: ``err`` in OpenAI's error format."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    details: str  # Envoy's response-code details, for its access log
+
+    @classmethod
+    def of(cls, err: APIError) -> Refusal:
+        hdrs = [("content-type", "application/json"), *((k.lower(), v) for k, v in (err.headers or {}).items())]
+        return cls(err.status, hdrs, msgspec.json.encode(err.body()), f"kvmesh_picker_{err.code or err.status}")
+
+
 def immediate(err: APIError) -> pb.ProcessingResponse:
-    """Answer the client now with ``err`` in OpenAI's error format; the request goes nowhere."""
-    body = msgspec.json.encode(err.body())
-    hdrs = [("content-type", "application/json"), *((k.lower(), v) for k, v in (err.headers or {}).items())]
+    """Answer the client now with ``err``; the request goes nowhere."""
+    r = Refusal.of(err)
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=err.status), headers=pb.HeaderMutation(set_headers=_set(hdrs)),
-        body=body, details=f"kvmesh_picker_{err.code or err.status}"))
+        status=http_status_pb2.HttpStatus(code=r.status), headers=pb.HeaderMutation(set_headers=_set(r.headers)),
+        body=r.body, details=r.details))
 
 
 def empty(kind: str) -> pb.ProcessingResponse:

@@ -18,85 +18,41 @@ Invariants:
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import msgspec
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvmesh.engine.api import errors
 from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.router import epp
-from kvmesh.engine.router.dispatch import Lease
 from kvmesh.engine.router.extproc_observe import PendingPicks
-from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, PromptInfo
-from kvmesh.engine.router.proxy import usage_in_chunk, all_engines_down, cached_tokens_of, shedding
-from kvmesh.engine.router.sessions import session_key
-from kvmesh.engine.router.slo import token_events
+from kvmesh.engine.router.pick import PickSession, body_mode_problem
 
 if TYPE_CHECKING:
     from kvmesh.engine.router.app import RouterApp
-
-GENERATION_PATHS = frozenset({COMPLETIONS, CHAT})
-MAX_RESPONSE_BODY_KEPT = 1 << 20
-"""A non-streamed response body is kept up to this size to read its ``usage`` (longer: not read)."""
-_json = msgspec.json.Decoder()
-
-
-def check_generation_body(body: bytes) -> None:
-    """A generation body must be a JSON object naming its ``model`` (the gateway routes by model,
-    and so would an HTTPRoute); raises the 400 that says what is wrong."""
-    try:
-        doc = _json.decode(body)
-    except msgspec.DecodeError as e:
-        raise errors.invalid_request(f"the request body is not valid JSON ({e}); send an OpenAI request object") from None
-    if not isinstance(doc, dict):
-        raise errors.invalid_request(f"the request body must be a JSON object, got {type(doc).__name__}")
-    if not isinstance(doc.get("model"), str) or not doc["model"]:
-        raise errors.invalid_request("the request body names no model: set the 'model' field", "model")
-
-
-def body_mode_problem(mode: int) -> APIError | None:
-    """The 500 for a request body mode the picker cannot pick in (it needs the whole body first)."""
-    if mode in (epp.BODY_NONE, epp.BODY_BUFFERED, epp.BODY_FULL_DUPLEX):
-        return None
-    return APIError(f"the gateway sends request bodies in {epp.BODY_MODE_NAMES.get(mode, mode)} mode; the kvmesh "
-                    "picker needs the whole body before it picks: configure the ext_proc filter with "
-                    "request_body_mode BUFFERED or FULL_DUPLEX_STREAMED", 500, "server_error", "picker_misconfigured")
-
-
-def outcome_of(status: int) -> str:
-    return "ok" if status < 400 else "client_error" if status < 500 else "upstream_error"
 
 
 @dataclass
 class PickerStream:
     app: RouterApp
+    picks: PendingPicks | None = None  # where an observer stream claims this pick's response
     request_mode: int = epp.BODY_NONE
     response_mode: int = epp.BODY_NONE
     headers: dict[str, str] = field(default_factory=dict)
     body: bytearray = field(default_factory=bytearray)
     decided: bool = False  # routed or refused: later request-side messages pass through
     refused: bool = False
-    url: str | None = None
-    address: str | None = None
-    lease: Lease | None = None
-    info: PromptInfo = field(default_factory=PromptInfo)
-    predicted: int = 0
-    picked_at: float = 0.0
-    status: int = 0
-    sse: bool = False
-    first_byte_seen: bool = False
-    response_kept: bytearray = field(default_factory=bytearray)
-    cached: int | None = None
     subset: frozenset[str] | None = None  # the gateway's candidate endpoints (None: any)
-    picks: PendingPicks | None = None  # where an observer stream claims this pick's response
+    session: PickSession = field(init=False)
     pick_id: str = ""
     observed: bool = False  # an observer stream owns the response half
     response_seen: bool = False
     _refused_answer: list[pb.ProcessingResponse] = field(default_factory=list)
     _configured: bool = False
+
+    def __post_init__(self) -> None:
+        self.session = PickSession(self.app, on_finish=self._discard_pick)
 
     # ---- messages ------------------------------------------------------------------------
     async def handle(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -119,8 +75,7 @@ class PickerStream:
             if kind == "response_trailers":
                 self.finish()
                 return [epp.empty("response_trailers")]
-            return self.refuse(errors.invalid_request("empty ext_proc message: it carries no headers, body or "
-                                                       "trailers"))
+            return self.refuse(errors.invalid_request(epp.EMPTY_MESSAGE))
         except epp.ProtocolError as e:
             return self.refuse(errors.invalid_request(str(e)))
         except APIError as e:
@@ -139,8 +94,7 @@ class PickerStream:
         if length.isdigit() and int(length) > limit:
             return self.refuse(errors.request_too_large(limit, int(length)))
         if req.request_headers.end_of_stream or self.request_mode == epp.BODY_NONE:
-            pick = await self._pick(b"")
-            return self._refused_answer if self.refused else [epp.headers_answer(pick)]
+            return [epp.headers_answer(await self._pick(b""))]
         if self.request_mode == epp.BODY_BUFFERED:
             return [epp.empty("request_headers")]
         return []  # full duplex: the headers answer carries the pick, once the body is whole
@@ -168,8 +122,6 @@ class PickerStream:
     async def _answer_whole_body(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         body = bytes(self.body)
         pick = await self._pick(body)
-        if self.refused:
-            return self._refused_answer
         if self.request_mode == epp.BODY_FULL_DUPLEX:
             return [epp.headers_answer(pick), epp.streamed_body(pick.body if pick.body is not None else body,
                                                                 end_of_stream)]
@@ -183,110 +135,38 @@ class PickerStream:
         return self._refused_answer
 
     async def _pick(self, body: bytes) -> epp.Pick:
-        """Choose the engine (or refuse: ``self.refused`` set, ``_refused_answer`` holds the answer)."""
-        t0 = time.perf_counter()
-        app = self.app
-        path = epp.request_path(self.headers)
-        if self.headers.get(":method", "POST") == "POST" and path in GENERATION_PATHS:
-            try:
-                check_generation_body(body)
-            except APIError as e:
-                self.refuse(e)
-                return epp.Pick("")
-        fleet, dispatch = app.fleet, app.dispatch
-        if fleet is None:
-            self.refuse(all_engines_down(["the router has not started its engine pool yet"]))
-            return epp.Pick("")
-        out, info = await app.prepare(path, body, self.headers.get("authorization"))
-        address_of = {url: epp.endpoint_address(url) for url in fleet.engines}
-        exclude = frozenset(u for u, a in address_of.items() if self.subset is not None and a not in self.subset)
-        if dispatch.saturated(fleet, exclude):
-            app.metrics.count("none", "shed")
-            self.refuse(shedding())
-            return epp.Pick("")
-        session = session_key(self.headers, info.user) if app.settings.policy == "session" else None
-        url, predicted = dispatch.choose(fleet, app.policy, info, session, exclude, time.monotonic())
-        app.metrics.decision.observe(time.perf_counter() - t0)
-        if url is None:
-            app.metrics.count("none", "unavailable")
-            why = (f"none of the gateway's candidates ({', '.join(sorted(self.subset))}) is a healthy engine"
-                   if self.subset is not None else "no engine is healthy")
-            self.refuse(all_engines_down([why]))
-            return epp.Pick("")
+        """The session's pick (an ``APIError`` propagates to ``handle``, which refuses with it)."""
         self.decided = True
-        self.url, self.address, self.info, self.predicted = url, address_of[url], info, predicted
-        self.lease = Lease.take(fleet.engines.get(url), max(0, info.num_prompt_tokens - predicted))
-        self.picked_at = time.perf_counter()
+        pick = await self.session.decide(self.headers, body, self.subset)
         if self.picks is not None:
             self.pick_id = self.picks.register(self)
-        return epp.Pick(self.address, out if out != body else None, self.pick_id)
+            pick = replace(pick, pick_id=self.pick_id)
+        return pick
+
+    def _discard_pick(self) -> None:
+        if self.picks is not None:
+            self.picks.discard(self.pick_id)
 
     # ---- the response --------------------------------------------------------------------
     def response_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         self.response_seen = True
         headers = epp.header_map(req.response_headers)
         status = headers.get(":status", "")
-        self.status = int(status) if status.isdigit() else 0
-        self.sse = headers.get("content-type", "").startswith("text/event-stream")
-        served = epp.served_endpoint(headers, req.metadata_context)
-        if self.lease is not None and served and served != self.address:
-            self._move_to(served)
-        if self.lease is not None and self.status == 503 and self.url is not None and self.app.fleet is not None:
-            self.app.fleet.mark_failed(self.url, "answered 503 through the gateway")
-        if req.response_headers.end_of_stream:
-            self._first_byte()
-            self.finish()
+        self.session.response_started(int(status) if status.isdigit() else 0, headers.get("content-type", ""),
+                                      epp.served_endpoint(headers, req.metadata_context),
+                                      req.response_headers.end_of_stream)
         return [epp.empty("response_headers")]
-
-    def _move_to(self, served: str) -> None:
-        """The gateway sent the request elsewhere (its own retry or fallback): the load moves there."""
-        fleet = self.app.fleet
-        assert self.lease is not None
-        self.lease.release()
-        url = next((u for u in (fleet.engines if fleet else {}) if epp.endpoint_address(u) == served), None)
-        self.url, self.address, self.predicted = url, served, 0
-        state = fleet.engines.get(url) if fleet is not None and url is not None else None
-        self.lease = Lease.take(state, self.info.num_prompt_tokens)
-
-    def _first_byte(self) -> None:
-        if not self.first_byte_seen:
-            self.first_byte_seen = True
-            self.app.metrics.ttft.observe(time.perf_counter() - self.picked_at)
 
     def response_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
         self.response_seen = True
-        chunk = msg.body
-        if self.lease is not None and not self.lease.released:
-            if chunk:
-                self._first_byte()
-            if self.sse:
-                if token_events(chunk):
-                    self.lease.first_token()
-                if self.cached is None:
-                    self.cached = usage_in_chunk(chunk)
-            elif len(self.response_kept) + len(chunk) <= MAX_RESPONSE_BODY_KEPT:
-                self.response_kept += chunk
-            if msg.end_of_stream:
-                if not self.sse and self.status == 200:
-                    self.cached = cached_tokens_of(bytes(self.response_kept))
-                self.finish()
+        self.session.response_chunk(msg.body, msg.end_of_stream)
         if self.response_mode == epp.BODY_FULL_DUPLEX:
-            return [epp.streamed_body(chunk, msg.end_of_stream, request=False)]
+            return [epp.streamed_body(msg.body, msg.end_of_stream, request=False)]
         return [epp.empty("response_body")]
 
     def finish(self, outcome: str | None = None) -> None:
         """The response is over (or the stream died: ``outcome`` "aborted"): release the engine."""
-        if self.lease is None or self.lease.released:
-            return
-        if self.picks is not None:
-            self.picks.discard(self.pick_id)
-        if outcome is None:
-            self.lease.first_token()  # a whole answer: the prefill is over (a no-op once a token event came)
-        self.lease.release()
-        metrics = self.app.metrics
-        metrics.count(self.url or "none", outcome or outcome_of(self.status))
-        if outcome is None:
-            self.app.dispatch.observe_cached(self.info, self.predicted, self.cached)
+        self.session.finish(outcome)
 
     def close(self, clean: bool = False) -> None:
         """The gRPC stream ended. If its response is an observer stream's to follow (this filter

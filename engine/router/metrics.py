@@ -26,6 +26,7 @@ from kvmesh.engine.util.metrics import (
     CallbackCollector,
     check_name,
     counter,
+    gauge,
     gauge_family,
     histogram,
     new_registry,
@@ -81,6 +82,10 @@ class RouterMetrics:
             check_name("kvmesh_router_cached_tokens_prediction_error"),
             "Predicted cached prompt tokens minus the engine's usage.prompt_tokens_details.cached_tokens "
             "(0: the router knew the engine's cache exactly).", buckets=CACHED_TOKENS_ERROR_BUCKETS, registry=r)
+        self.ext_proc = gauge(r, "kvmesh_router_ext_proc_info",
+                              "1 while the router serves Envoy's ext_proc (--ext-proc-port), labelled by who "
+                              "carries the gRPC streams: front=\"compiled\" (the Go front) or \"python\" (grpc.aio).",
+                              ("front",))
         self._engines_healthy = engines_healthy
         self._index_size = index_size
         self._mismatches = mismatches

