@@ -49,6 +49,7 @@ class EnvoyProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 30.0) -> EnvoyProcess:
+        self.dir.mkdir(parents=True, exist_ok=True)  # again after a stop
         path = self.dir / "envoy.yaml"
         path.write_text(yaml.safe_dump(self.config))
         self._log = open(self.log_path, "wb")
@@ -83,3 +84,4 @@ class EnvoyProcess:
         log = getattr(self, "_log", None)
         if log is not None and not log.closed:
             log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)  # its config and log: read log_tail() before stopping

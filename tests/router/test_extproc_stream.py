@@ -199,6 +199,9 @@ def test_the_router_flags_give_the_picker_port_and_the_shed_limit_and_refuse_non
     s = parse("--ext-proc-port", "9002", "--shed-above-running", "8", "--host", "0.0.0.0")
     assert (s.ext_proc_port, s.ext_proc_host, s.load.shed_running) == (9002, "0.0.0.0", 8)
     assert parse().ext_proc_port is None and parse().load.shed_running == 0
+    assert parse().ext_proc_front == "auto" and parse("--ext-proc-front", "python").ext_proc_front == "python"
+    with pytest.raises(SystemExit):
+        parse("--ext-proc-front", "rust")
     for flags, words in ((("--ext-proc-port", "70000"), "0-65535"), (("--ext-proc-port", "8000"), "a port each"),
                          (("--shed-above-running", "-1"), ">= 0")):
         with pytest.raises(RouterArgsError, match=words):

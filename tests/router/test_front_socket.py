@@ -63,6 +63,15 @@ async def with_socket(test, app=None) -> None:
             await sock.stop()
 
 
+async def released(app) -> None:
+    """Wait (up to 1 s) for every engine's load to drop to nothing, then check it did."""
+    for _ in range(100):
+        if all(v == (0, 0) for v in load(app).values()):
+            break
+        await asyncio.sleep(0.01)
+    assert all(v == (0, 0) for v in load(app).values()), load(app)
+
+
 def run(test, app=None) -> None:
     asyncio.run(with_socket(test, app))
 
@@ -90,11 +99,7 @@ def test_the_front_going_away_abandons_what_its_requests_held():
         await front.pick(2, chat_body("two"))
         assert sum(i for i, _ in load(app).values()) == 2
         front.writer.close()
-        for _ in range(100):
-            if all(v == (0, 0) for v in load(app).values()):
-                break
-            await asyncio.sleep(0.01)
-        assert all(v == (0, 0) for v in load(app).values())
+        await released(app)
 
     run(test)
 
@@ -182,11 +187,7 @@ def test_fuzzed_frames_never_break_the_socket_and_leave_no_load_behind(payloads)
             assert (await Front(reader, writer).pick(99, chat_body("still here")))["t"] == "route"
         finally:
             writer.close()
-        for _ in range(100):
-            if all(v == (0, 0) for v in load(app).values()):
-                break
-            await asyncio.sleep(0.01)
-        assert all(v == (0, 0) for v in load(app).values())
+        await released(app)
 
     run(test)
 
@@ -197,3 +198,23 @@ def test_answer_and_frame_fields_match_the_go_fronts_declarations():
     for struct in (FrontFrame, Answer):
         for name in struct.__struct_fields__:
             assert f'`json:"{name}' in go, f"{struct.__name__}.{name} is not in router.go"
+
+
+def test_without_go_or_a_built_front_auto_serves_from_python_and_compiled_refuses(tmp_path, monkeypatch):
+    """Real: the lookup and the build step (no Go on PATH, an empty cache); the servers are not started."""
+    import dataclasses
+
+    import pytest
+
+    from kvmesh.engine.router.extproc import ExtProcServer
+    from kvmesh.engine.router.front_proc import FrontUnavailable, ext_proc_server
+
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    app = make_app()
+    app.settings = dataclasses.replace(app.settings, ext_proc_port=0)
+    assert isinstance(asyncio.run(ext_proc_server(app)), ExtProcServer)
+    assert app.metrics.ext_proc.labels("python")._value.get() == 1
+    app.settings = dataclasses.replace(app.settings, ext_proc_front="compiled")
+    with pytest.raises(FrontUnavailable, match="no Go toolchain"):
+        asyncio.run(ext_proc_server(app))

@@ -5,6 +5,7 @@ a failing test can show it."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +40,7 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         cmd = [sys.executable, "-m", "kvmesh.engine.server", "--host", self.host, "--port", str(self.port),
                *self.flags]
+        self.dir.mkdir(parents=True, exist_ok=True)  # again after a stop
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         self.wait_ready()
@@ -82,9 +84,11 @@ class ServerProcess:
         self._close_log()
 
     def _close_log(self) -> None:
+        """Close the log and remove the process's directory (a test reads the tail before stopping)."""
         log = getattr(self, "_log", None)
         if log is not None and not log.closed:
             log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class RouterProcess(ServerProcess):
@@ -93,6 +97,7 @@ class RouterProcess(ServerProcess):
     def start(self) -> RouterProcess:
         cmd = [sys.executable, "-m", "kvmesh", "router", "--host", "127.0.0.1", "--port", str(self.port),
                *self.flags]
+        self.dir.mkdir(parents=True, exist_ok=True)  # again after a stop
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=self.dir, stdout=self._log, stderr=subprocess.STDOUT)
         self.wait_ready()

@@ -10,9 +10,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -28,8 +26,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
 
 
-def test_up_runs_prefill_and_decode_behind_the_router():
-    run_dir = Path(tempfile.mkdtemp(prefix="kvmesh-up-pd-"))
+def test_up_runs_prefill_and_decode_behind_the_router(tmp_path):
+    run_dir = tmp_path
     # `up` takes consecutive ports from each base (engines base, base+1; KV events kv .. kv+3).
     port, base, kv, xfer = free_port(), free_port_run(2), free_port_run(4), free_port()
     while len({*range(base, base + 2), *range(kv, kv + 4), port, xfer}) < 8:

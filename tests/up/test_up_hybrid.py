@@ -11,7 +11,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +32,8 @@ def test_up_serves_a_hybrid_model_and_a_second_turn_resumes_from_its_checkpoint(
     from kvmesh.engine.llm import LLM
 
     model = make_tiny_hybrid_model(tmp_path / "model")
-    run_dir = Path(tempfile.mkdtemp(prefix="kvmesh-up-hybrid-"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
     port, base, kv = free_port(), free_port_run(1), free_port_run(2)
     cmd = [sys.executable, "-m", "kvmesh", "up", "--engines", "1", "--model", str(model), "--port", str(port),
            "--engine-base-port", str(base), "--kv-events-base-port", str(kv), "--status-interval", "0",

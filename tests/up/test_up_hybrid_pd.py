@@ -12,7 +12,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,8 @@ def test_up_disaggregates_a_hybrid_model(tmp_path: Path) -> None:
     from kvmesh.engine.llm import LLM
 
     model = make_tiny_hybrid_model(tmp_path / "model")
-    run_dir = Path(tempfile.mkdtemp(prefix="kvmesh-up-hybrid-pd-"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
     port, base, kv, xfer = free_port(), free_port_run(2), free_port_run(4), free_port()
     while len({*range(base, base + 2), *range(kv, kv + 4), port, xfer}) < 8:
         base, kv = free_port_run(2), free_port_run(4)

@@ -12,9 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import openai
 import pytest
@@ -31,8 +29,8 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def platform():
-    run_dir = Path(tempfile.mkdtemp(prefix="kvmesh-up-test-"))
+def platform(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("kvmesh-up-test")
     port, base, kv = free_port(), free_port_run(2), free_port_run(4)
     while len({*range(base, base + 2), *range(kv, kv + 4), port}) < 7:  # engines base, base+1; kv .. kv+3
         base, kv = free_port_run(2), free_port_run(4)
