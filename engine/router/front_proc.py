@@ -125,7 +125,7 @@ class FrontProcess:
         listen = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
         proc = self.proc = await asyncio.create_subprocess_exec(
             str(self.binary), "--listen", listen, "--pick-socket", self.socket.path,
-            "--max-request-bytes", str(self.app.settings.max_request_bytes),
+            "--max-request-bytes", str(self.app.settings.max_request_bytes), "--parent-pid", str(os.getpid()),
             stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL)
         assert proc.stdout is not None
         try:

@@ -103,6 +103,7 @@ func main() {
 	socket := flag.String("pick-socket", "", "the router's Unix socket to ask for picks")
 	maxBody := flag.Int("max-request-bytes", 1<<22, "the router's --max-request-bytes: a longer body is refused (413) without being buffered")
 	orphanTTL := flag.Duration("orphan-ttl", 5*time.Second, "how long a pick whose stream ended waits for an observer stream to claim it")
+	parentPID := flag.Int("parent-pid", 0, "exit once this process (the router) is no longer the parent (0: the parent at start)")
 	flag.Parse()
 	log.SetPrefix("kvmesh-extproc-front: ")
 	if *socket == "" {
@@ -128,7 +129,7 @@ func main() {
 	extprocv3.RegisterExternalProcessorServer(srv, &processor{router: router, maxBody: *maxBody,
 		picks: &pickRegistry{ttl: *orphanTTL, byID: map[string]*pickStream{}}})
 	healthpb.RegisterHealthServer(srv, hs)
-	go exitWithParent(srv)
+	go exitWithParent(srv, *parentPID)
 	go func() {
 		sig := make(chan os.Signal, 1)
 		signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
@@ -153,9 +154,13 @@ func stop(srv *grpc.Server) {
 	os.Exit(0)
 }
 
-func exitWithParent(srv *grpc.Server) {
-	parent := os.Getppid()
-	for range time.Tick(500 * time.Millisecond) {
+// exitWithParent stops the front once its parent is gone (it was reparented). The router names
+// itself with --parent-pid, so a router that died before this process got here is seen too.
+func exitWithParent(srv *grpc.Server, parent int) {
+	if parent == 0 {
+		parent = os.Getppid()
+	}
+	for ; ; time.Sleep(500 * time.Millisecond) {
 		if os.Getppid() != parent {
 			log.Print("the router exited; stopping")
 			stop(srv)

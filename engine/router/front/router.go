@@ -174,6 +174,8 @@ func (r *routerConn) ask(done <-chan struct{}, msg *toRouter) (*fromRouter, erro
 		return rep, nil
 	case <-done:
 		r.forget(msg.ID)
+		// The router may have routed it already: whatever it holds for the request goes.
+		r.tell(&toRouter{T: "end", ID: msg.ID, Outcome: "aborted"})
 		return nil, errors.New("the stream ended before the pick")
 	}
 }

@@ -164,7 +164,10 @@ func (s *pickStream) answerWholeBody(endOfStream bool) answers {
 func (s *pickStream) decide(msg *toRouter, route func(*fromRouter) answers) answers {
 	s.decided = true
 	msg.T, msg.ID = "pick", s.p.router.newID()
-	msg.Headers, msg.Body, msg.Subset, msg.Mode = s.headers, s.body, s.subset, int32(s.reqMode)
+	msg.Headers, msg.Subset, msg.Mode = s.headers, s.subset, int32(s.reqMode)
+	if msg.TooLarge == 0 {
+		msg.Body = s.body // a refusal for size needs no body
+	}
 	a, err := s.p.router.ask(s.done, msg)
 	if err != nil {
 		s.refused = true
