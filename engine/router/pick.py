@@ -85,8 +85,7 @@ class PickSession:
         ``APIError`` to answer instead (400 bad body, 429 shedding, 503 no engine)."""
         t0 = time.perf_counter()
         path = self._check(headers, body)
-        auth = headers.get("authorization")
-        prepared = self.app.prepare_now(path, body, auth) or await self.app.prepare(path, body, auth)
+        prepared = await self.app.prepare(path, body, headers.get("authorization"))
         return self._choose(t0, headers, body, prepared, subset)
 
     def decide_now(self, headers: Mapping[str, str], body: bytes, subset: frozenset[str] | None) -> epp.Pick | None:

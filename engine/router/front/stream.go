@@ -9,6 +9,7 @@ package main
 import (
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"strconv"
 	"strings"
@@ -367,15 +368,11 @@ func immediate(a *fromRouter) *extprocv3.ProcessingResponse {
 
 // unreachable is the one answer the front writes itself: without its router it cannot pick.
 func unreachable(err error) *extprocv3.ProcessingResponse {
-	body := `{"error":{"message":"the endpoint picker cannot reach its kvmesh router (` + jsonEscape(err.Error()) +
-		`); retry shortly","type":"service_unavailable","param":null,"code":"picker_unavailable"}}`
-	return immediate(&fromRouter{Status: 503, Body: []byte(body), Details: "kvmesh_picker_picker_unavailable",
+	body, _ := json.Marshal(map[string]any{"error": map[string]any{
+		"message": "the endpoint picker cannot reach its kvmesh router (" + err.Error() + "); retry shortly",
+		"type":    "service_unavailable", "param": nil, "code": "picker_unavailable"}})
+	return immediate(&fromRouter{Status: 503, Body: body, Details: "kvmesh_picker_picker_unavailable",
 		Headers: [][2]string{{"content-type", "application/json"}, {"retry-after", "1"}}})
-}
-
-func jsonEscape(s string) string {
-	r := strings.NewReplacer(`\`, `\\`, `"`, `\"`, "\n", " ")
-	return r.Replace(s)
 }
 
 func emptyRequestTrailers() *extprocv3.ProcessingResponse {
