@@ -194,8 +194,8 @@ class LLMEngine:
                      cfg.max_num_seqs, num_checkpoints, state_bytes)
         else:
             self.model = LlamaModel(self.model_config, self.loaded.weights, self.backend, self.dtype,
-                                    self.device, max_position=model_len)
-        self.loaded.weights = {}  # the model holds fused copies; drop the originals
+                                    self.device, max_position=model_len, quantized=self.loaded.quantized)
+        self.loaded.weights, self.loaded.quantized = {}, {}  # the model holds fused copies; drop the originals
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.dtype, seed=cfg.seed,
                                   eos_token_ids=tuple(self.tokenizer.eos_token_ids),
                                   num_state_slots=cfg.max_num_seqs if hybrid else 0,

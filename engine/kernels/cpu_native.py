@@ -4,6 +4,7 @@
   gather every sequence's K/V into a padded copy before SDPA can read it; at decode
   time that copy costs more than the attention itself. The C kernel reads K/V rows
   straight out of the paged cache.
+- fp32 products with weights kept block-quantized (csrc/cpu_qlinear.c, quant_rows.py).
 - Fused bf16 elementwise kernels (csrc/cpu_elementwise.c): residual add + RMSNorm,
   RoPE with the KV write, SiLU * up. Each replaces several torch ops and their
   temporaries per layer and rounds where the torch reference rounds.
@@ -38,7 +39,8 @@ from kvmesh.engine.util.cache_dir import building, default_cache_dir
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("cpu_decode_attention.c", "cpu_extend_attention.c", "cpu_elementwise.c", "cpu_bitmask.c")
+_SOURCES = ("cpu_decode_attention.c", "cpu_extend_attention.c", "cpu_elementwise.c", "cpu_bitmask.c",
+            "cpu_qlinear.c")
 _HEADERS = ("kvmesh_cpu.h",)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 _lock = threading.Lock()
@@ -51,6 +53,7 @@ _DECODE_ARGS = [_P] * 4 + [_I64, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I]
 _RMS_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I, _F, _I]
 _ROPE_ARGS = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I, _P, _P, _I64, _I, _I, _I, _I]
 _SILU_ARGS = [_P, _I64, _P, _I64, _I, _I]
+_EXTEND_ARGS = [_P] * 4 + [_I64, _I, _P, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I]
 # The fused elementwise kernels exist in these dtypes (suffix of their C names).
 _ELEMENTWISE = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _SIGNATURES = {  # C prototypes; keep in step with csrc/
@@ -62,14 +65,19 @@ _SIGNATURES = {  # C prototypes; keep in step with csrc/
     "kvmesh_rope_write_kv_f32": _ROPE_ARGS,
     "kvmesh_silu_mul_bf16": _SILU_ARGS,
     "kvmesh_silu_mul_f32": _SILU_ARGS,
-    "kvmesh_extend_attention_bf16": [_P] * 4 + [_I64, _I, _P, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I],
+    "kvmesh_extend_attention_bf16": _EXTEND_ARGS,
+    "kvmesh_extend_attention_f32": _EXTEND_ARGS,
     "kvmesh_decode_step_bf16": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I],
     "kvmesh_argmax_bf16": [_P, _I64, _I64, _I64, _P, _I],
     "kvmesh_argmax_f32": [_P, _I64, _I64, _I64, _P, _I],
     "kvmesh_apply_bitmask_bf16": [_P, _I64, _P, _I64, _P, _I64, _I64],
     "kvmesh_apply_bitmask_u32": [_P, _I64, _P, _I64, _P, _I64, _I64],
+    "kvmesh_qlinear_f32": [_P, _I64, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _I],
+    "kvmesh_dequant_rows_f32": [_P, _P, _P, _I, _P, _I, _I],
 }
-_RETURNS = {"kvmesh_extend_attention_bf16": ctypes.c_int, "kvmesh_decode_step_bf16": ctypes.c_int}
+_RETURNS = {"kvmesh_extend_attention_bf16": ctypes.c_int, "kvmesh_extend_attention_f32": ctypes.c_int,
+            "kvmesh_decode_step_bf16": ctypes.c_int, "kvmesh_qlinear_f32": ctypes.c_int,
+            "kvmesh_dequant_rows_f32": ctypes.c_int}
 
 
 def _cache_dir() -> Path:
@@ -198,11 +206,11 @@ def paged_extend_attention_cpu(
     *,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as `extend_attention.paged_extend_attention_ref`; native for bf16."""
+    """Same contract as `extend_attention.paged_extend_attention_ref`; native for bf16 and fp32."""
     lib = load_library()
     ok = (
-        lib is not None and q.dim() == 3 and q.device.type == "cpu" and q.dtype == torch.bfloat16
-        and _paged_cache_ok(k_cache, v_cache, torch.bfloat16)
+        lib is not None and q.dim() == 3 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32)
+        and _paged_cache_ok(k_cache, v_cache, q.dtype)
         and q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
         and block_tables.dtype == torch.int32 and block_tables.dim() == 2
         and query_start_loc.dtype == torch.int32 and seq_lens.dtype == torch.int32
@@ -216,7 +224,8 @@ def paged_extend_attention_cpu(
         out = torch.empty_like(q)
         t, hq, d = q.shape
         sb, ss, sh, _ = k_cache.stride()
-        rc = lib.kvmesh_extend_attention_bf16(
+        fn = lib.kvmesh_extend_attention_f32 if q.dtype == torch.float32 else lib.kvmesh_extend_attention_bf16
+        rc = fn(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1],
             qsl.data_ptr(), sl.data_ptr(), out.data_ptr(), sl.shape[0], hq, k_cache.shape[2], d,
             k_cache.shape[1], sb, ss, sh, float(scale), torch.get_num_threads())

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvmesh.engine.kernels.quant_rows import QuantRows
+
 from .config import ModelConfig, UnsupportedModelError
 from .safetensors_loader import ModelLoadError, check_weight_shapes
 
@@ -189,13 +191,17 @@ def _to_tensor(data: np.ndarray, qtype: Any, dtype: torch.dtype) -> torch.Tensor
 
 
 def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
+    path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None,
+    quantized: dict[str, QuantRows] | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read `path` and return (config, weights under HF Llama names, each cast to `dtype`).
 
     Invariant: `weights` equals what transformers loads from the same GGUF;
     `lm_head.weight` is present only when the file has an untied output matrix.
     `name` overrides the model name (default: slug of `general.name`, else the file stem).
+    `quantized`, when given, receives the file's blocks of every Q4_1/Q8_0 weight under the
+    same names, rows in the same order (kernels/quant_rows.py: they dequantize to the fp32
+    weights).
     """
     from gguf import GGUFReader
 
@@ -220,11 +226,19 @@ def load_gguf(
     for gname, t in tensors.items():
         key = hf_names[gname]
         w = _to_tensor(t.data, t.tensor_type, dtype)
+        heads = None
         if permute and key.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_qk(w, config.num_heads)
+            heads = config.num_heads
         elif permute and key.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_qk(w, config.num_kv_heads)
+            heads = config.num_kv_heads
+        if heads is not None:
+            w = unpermute_qk(w, heads)
         weights[key] = w.contiguous()
+        q = QuantRows.from_gguf(t.data, t.tensor_type.name) if quantized is not None else None
+        if q is not None and q.rows == w.shape[0] and w.dim() == 2 and q.cols == w.shape[1]:
+            if heads is not None:  # the same row order as the dequantized weight
+                q = q.take(unpermute_qk(torch.arange(q.rows), heads))
+            quantized[key] = q  # type: ignore[index]
     check_weight_shapes(config, weights, path)
     return config, weights
 

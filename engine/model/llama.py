@@ -7,15 +7,20 @@ and are fused at load time (q|k|v and gate|up) so each layer runs four matmuls.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from kvmesh.engine.kernels.quant_rows import QuantRows
 from kvmesh.engine.kernels.rope import build_cos_sin_cache
 from kvmesh.engine.model.attention import AttentionBackend, AttnMetadata
 from kvmesh.engine.model.config import ModelConfig
 from kvmesh.engine.model.linear import LinearFactory, LinearFn
+
+log = logging.getLogger(__name__)
 
 
 class WeightsError(ValueError):
@@ -49,6 +54,7 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         max_position: int,
+        quantized: Mapping[str, QuantRows] | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -67,13 +73,20 @@ class LlamaModel:
 
         c = config
         linear = LinearFactory(device, dtype)
+        blocks = quantized or {}
+
+        def quant(*names: str) -> QuantRows | None:
+            """The named weights' blocks stacked as their matrices are (None unless all have them)."""
+            parts = [blocks.get(n) for n in names]
+            return QuantRows.cat(parts) if all(p is not None for p in parts) else None  # type: ignore[arg-type]
+
         qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         self.norm = take("model.norm.weight", (c.hidden_size,))
         if c.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = linear(self.embed)
+            self.lm_head = linear(self.embed, quant=quant("model.embed_tokens.weight"))
         else:
-            self.lm_head = linear(take("lm_head.weight", (c.vocab_size, c.hidden_size)))
+            self.lm_head = linear(take("lm_head.weight", (c.vocab_size, c.hidden_size)), quant=quant("lm_head.weight"))
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -87,20 +100,26 @@ class LlamaModel:
                 bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
-                qkv=linear(qkv, bias),
+                qkv=linear(qkv, bias, quant(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"))),
                 q_norm=take(p + "self_attn.q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
                 k_norm=take(p + "self_attn.k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
-                o=linear(take(p + "self_attn.o_proj.weight", (c.hidden_size, qd))),
+                o=linear(take(p + "self_attn.o_proj.weight", (c.hidden_size, qd)),
+                         quant=quant(p + "self_attn.o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
                 gate_up=linear(torch.cat([
                     take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
                     take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
-                ])),
-                down=linear(take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))),
+                ]), quant=quant(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+                down=linear(take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)),
+                            quant=quant(p + "mlp.down_proj.weight")),
             ))
         self.cos_sin = build_cos_sin_cache(
             c.head_dim, max_position, c.rope_theta, c.rope_scaling, device=device
         )
+        self.quantized_bytes = linear.quantized_bytes
+        if linear.quantized_bytes:
+            log.info("small batches multiply from the file's quantized blocks (%.0f MB beside the fp32 weights)",
+                     linear.quantized_bytes / 1e6)
 
     @torch.inference_mode()
     def forward(

@@ -7,10 +7,12 @@ a directory loads a Hugging Face safetensors checkpoint with its tokenizer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from kvmesh.engine.kernels.quant_rows import QuantRows
 
 from .config import ModelConfig
 from .fetch import DEFAULT_MODEL_NAME, ensure_default_model
@@ -38,6 +40,9 @@ class LoadedModel:
     # Identity for KV block hashes: the name plus a digest of the weight files (fingerprint.py),
     # so checkpoints that share a name never share cached blocks.
     model_id: str = ""
+    # fp32 GGUF models: the file's block-quantized form of the Q4_1/Q8_0 weights, under the same
+    # names (kernels/quant_rows.py); the model reads them where that streams less memory.
+    quantized: dict[str, QuantRows] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -45,12 +50,14 @@ class LoadedModel:
 
 
 def _load_gguf_model(path: Path, dtype: torch.dtype, name: str | None) -> LoadedModel:
-    config, weights = load_gguf(path, dtype, name=name)
+    quantized: dict[str, QuantRows] | None = {} if dtype == torch.float32 else None
+    config, weights = load_gguf(path, dtype, name=name, quantized=quantized)
     try:
         tokenizer = Tokenizer.from_gguf(path, extra_eos_ids=config.eos_token_ids)
     except TokenizerLoadError as e:
         raise ModelLoadError(str(e)) from None
-    return LoadedModel(config, weights, tokenizer, str(path), model_id(config.name, gguf_weights_digest(path)))
+    return LoadedModel(config, weights, tokenizer, str(path), model_id(config.name, gguf_weights_digest(path)),
+                       quantized or {})
 
 
 def _load_dir_model(path: Path, dtype: torch.dtype) -> LoadedModel:

@@ -9,8 +9,6 @@ it has it) and against a portable x86-64-v2 build, the scalar code other CPUs ru
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
@@ -24,25 +22,8 @@ from kvmesh.engine.kernels.rope import build_cos_sin_cache, rope_write_kv_ref
 
 from ._helpers import PagedBatch, make_paged_batch, naive_decode, naive_extend
 
-pytestmark = pytest.mark.skipif(not native_available(), reason="no C compiler to build the native kernel")
-
-
-@pytest.fixture(scope="session")
-def portable_library(tmp_path_factory):
-    lib = nat.build_library("x86-64-v2", cache_dir=tmp_path_factory.mktemp("portable-kernels"))
-    assert lib.kvmesh_has_avx512_bf16() == 0  # really the scalar code
-    return lib
-
-
-@pytest.fixture(autouse=True, params=["native", "portable"])
-def kernel_build(request, monkeypatch):
-    """Point the wrappers at one build of the kernels for the duration of a test."""
-    if request.param == "portable":
-        if platform.machine() not in ("x86_64", "AMD64"):
-            pytest.skip("the portable build targets x86-64")
-        monkeypatch.setattr(nat, "_lib", request.getfixturevalue("portable_library"))
-        monkeypatch.setattr(nat, "_tried", True)
-    return request.param
+pytestmark = [pytest.mark.skipif(not native_available(), reason="no C compiler to build the native kernel"),
+              pytest.mark.usefixtures("kernel_build")]  # tests/kernels/conftest.py: each test on both builds
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
@@ -88,21 +69,40 @@ def test_decode_bf16_work_splits(num_seqs):
     torch.testing.assert_close(got.float(), naive_decode(q, batch, 0.125).float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (8, 1, 128), (16, 2, 64), (4, 4, 64)])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_extend_bf16_matches_oracle(hq, hkv, head_dim, block_size):
+def test_extend_matches_oracle(dtype, tol, hq, hkv, head_dim, block_size):
     g = torch.Generator().manual_seed(hq + head_dim + block_size)
     # Plain prefills, chunks after a cached prefix, tiles cut at 16 and single tokens.
     q_lens = [5, 17, 40, 1, 33, 16]
     ctx = [5, 30, 100, 70, 33, 300]
-    batch = make_paged_batch(ctx, hkv, head_dim, block_size, torch.bfloat16, g)
+    batch = make_paged_batch(ctx, hkv, head_dim, block_size, dtype, g)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(sum(q_lens), hq, head_dim, generator=g).bfloat16()
+    q = torch.randn(sum(q_lens), hq, head_dim, generator=g).to(dtype)
     scale = head_dim ** -0.5
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, qsl, batch.seq_lens, scale)
     got = nat.paged_extend_attention_cpu(*args)
-    torch.testing.assert_close(got.float(), naive_extend(q, batch, qsl, scale).float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got.float(), paged_extend_attention_ref(*args).float(), atol=2e-2, rtol=2e-2)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), naive_extend(q, batch, qsl, scale).float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float(), paged_extend_attention_ref(*args).float(), atol=tol, rtol=tol)
+
+
+def test_extend_fp32_runs_natively_where_avx512f_is(kernel_build, monkeypatch):
+    """The fp32 call is answered by the C kernel (not the reference it falls back to) where the
+    build has AVX512F; the portable build returns -1 and the reference answers."""
+    g = torch.Generator().manual_seed(3)
+    batch = make_paged_batch([40], 3, 64, 16, torch.float32, g)
+    q = torch.randn(8, 9, 64, generator=g)
+    qsl = torch.tensor([0, 8], dtype=torch.int32)
+    called = []
+    monkeypatch.setattr(nat, "paged_extend_attention_ref", lambda *a, **k: called.append(1) or
+                        paged_extend_attention_ref(*a, **k))
+    got = nat.paged_extend_attention_cpu(q, batch.k_cache, batch.v_cache, batch.block_tables, qsl,
+                                         batch.seq_lens, 0.125)
+    torch.testing.assert_close(got, naive_extend(q, batch, qsl, 0.125).float(), atol=2e-5, rtol=2e-5)
+    native = kernel_build == "native" and "avx512f" in open("/proc/cpuinfo").read()
+    assert called == ([] if native else [1])
 
 
 def test_extend_bad_lengths_raise_like_the_reference():

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvmesh.engine.kernels.quant_rows import KIND_Q4_1, QuantRows
 from kvmesh.engine.model.config import ModelConfig, UnsupportedModelError
 from kvmesh.engine.model.gguf_loader import (
     config_from_gguf_metadata,
@@ -300,3 +301,22 @@ def test_load_model_gguf_file(tmp_path):
     assert m.tokenizer.eos_token_ids == (2,) and m.tokenizer.has_chat_template
     ref_config, _ = load_safetensors_dir(hf_dir)
     assert (m.config.num_layers, m.config.vocab_size) == (ref_config.num_layers, ref_config.vocab_size)
+
+
+def _dense(q: QuantRows) -> torch.Tensor:
+    """The blocks' matrix in torch (independent of the native kernel): Q4_1 d * q + m, Q8_0 q * d."""
+    if q.kind == KIND_Q4_1:
+        nib = torch.cat([q.qs & 0x0F, q.qs >> 4], dim=-1).float()  # element j, then j + 16
+        return (q.scale[..., None] * nib + q.minv[..., None]).reshape(q.rows, q.cols)
+    return (q.qs.view(torch.int8).float() * q.scale[..., None]).reshape(q.rows, q.cols)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_gguf_blocks_kept_beside_the_weights_in_their_row_order(tmp_path, qtype):
+    _, gguf_path = make_tiny_gguf("llama", tmp_path, qtype=qtype)
+    quantized: dict = {}
+    _, weights = load_gguf(gguf_path, dtype=torch.float32, quantized=quantized)
+    assert any(k.endswith("q_proj.weight") for k in quantized)  # the un-permuted rows are covered
+    for k, q in quantized.items():
+        assert torch.equal(_dense(q), weights[k]), k
+    assert load_gguf(gguf_path, dtype=torch.float32)[1].keys() == weights.keys()  # not asked: nothing kept

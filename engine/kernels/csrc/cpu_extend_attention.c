@@ -1,14 +1,15 @@
-/* Paged extend (prefill) attention for CPUs, bf16: several new query tokens per
- * sequence, causal, reading K/V straight from the paged cache.
+/* Paged extend (prefill) attention for CPUs, bf16 and fp32: several new query tokens
+ * per sequence, causal, reading K/V straight from the paged cache.
  *
  * Sequence s has q_len new tokens at positions ctx - q_len .. ctx - 1 (their K/V
  * already written); query token p sees keys 0..p. Work items are (sequence, tile of
  * 16 query tokens, kv head), later tiles (more keys) first; the G query heads that
- * share a kv head are handled together so each chunk of 16 keys is read and
- * rearranged once. Online softmax (running max and denominator per token, rescaled
- * as the max grows); scores and the weighted sum of V use vdpbf16ps (weights rounded
- * to bf16, as flash attention does on GPUs) with fp32 accumulation; output rounded
- * to nearest even. Requires D % 32 == 0, D <= 256 and G <= 16.
+ * share a kv head are handled together so each chunk of 16 keys is read once. Online
+ * softmax (running max and denominator per token, rescaled as the max grows). bf16:
+ * scores and the weighted sum of V use vdpbf16ps (weights rounded to bf16, as flash
+ * attention does on GPUs) with fp32 accumulation, output rounded to nearest even;
+ * fp32: the same walk with fp32 FMAs throughout. Requires D % 32 == 0, D <= 256 and
+ * G <= 16.
  */
 #include <math.h>
 #include <stdint.h>
@@ -151,16 +152,113 @@ static void extend_tile(const uint16_t *q, const uint16_t *k, const uint16_t *v,
 }
 #endif
 
-/* Returns 0 when done; -1 when this build or shape is not covered and -2 when a
- * sequence's lengths are inconsistent (0 <= q_len <= ctx <= max_blocks * block_size
- * must hold): the caller then runs the reference, which reports the error. */
-int kvmesh_extend_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                                 const int32_t *block_tables, int64_t bt_stride, int max_blocks,
-                                 const int32_t *query_start_loc,
-                                 const int32_t *seq_lens, uint16_t *out, int S, int Hq, int Hkv, int D,
-                                 int block_size, int64_t sb, int64_t ss, int64_t sh, float scale,
-                                 int num_threads) {
-#ifdef KVMESH_HAVE_AVX512_BF16
+#ifdef KVMESH_HAVE_AVX512F
+/* extend_tile in fp32: qt[g][d] holds the 16 tokens' dimension d (lanes = tokens), the
+ * score for key j accumulates qt[d] * k[j][d] over d with the key's element broadcast,
+ * and the output accumulates P_j * v[j][d] the same way; weights stay fp32. */
+static void extend_tile_f32(const float *q, const float *k, const float *v, const int32_t *bt, int q_len,
+                            int ctx, int t0, int nt, int h, int Hq, int G, int D, int block_size, int64_t sb,
+                            int64_t ss, int64_t sh, float scale, float *out, float *qt, __m512 *ot,
+                            int64_t *offs) {
+    const int row0 = ctx - q_len + t0; /* position of the tile's first token (lane 0) */
+    const int last_key = row0 + nt;    /* keys [0, last_key) are visible to some lane */
+    const __mmask16 live = mask16(nt);
+    for (int g = 0; g < G; g++) {
+        float *qg = qt + (int64_t)g * D * 16;
+        for (int r = 0; r < 16; r++) {
+            const float *qrow = q + ((int64_t)(t0 + r) * Hq + (int64_t)h * G + g) * D;
+            for (int d = 0; d < D; d++) qg[d * 16 + r] = r < nt ? qrow[d] : 0.f;
+        }
+        for (int d = 0; d < D; d++) ot[(int64_t)g * D + d] = _mm512_setzero_ps();
+    }
+    for (int t = 0, blk = 0, slot = 0; t < last_key; t++) {
+        offs[t] = (int64_t)bt[blk] * sb + (int64_t)slot * ss + (int64_t)h * sh;
+        if (++slot == block_size) { slot = 0; blk++; }
+    }
+    __m512 mx[16], den[16];
+    for (int g = 0; g < G; g++) {
+        mx[g] = _mm512_set1_ps(-INFINITY);
+        den[g] = _mm512_setzero_ps();
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int c0 = 0; c0 < last_key; c0 += 16) {
+        const int n = last_key - c0 < 16 ? last_key - c0 : 16;
+        __mmask16 vis[16];
+        for (int j = 0; j < 16; j++) {
+            int first = c0 + j - row0;
+            vis[j] = j >= n ? 0 : first <= 0 ? live : first >= 16 ? 0 : (__mmask16)(live & ~((1u << first) - 1u));
+        }
+        const float *kr[16], *vr[16];
+        for (int j = 0; j < 16; j++) {
+            kr[j] = k + offs[c0 + (j < n ? j : 0)];
+            vr[j] = v + offs[c0 + (j < n ? j : 0)];
+        }
+        for (int g = 0; g < G; g++) {
+            const float *qg = qt + (int64_t)g * D * 16;
+            __m512 sc[16];
+            for (int j0 = 0; j0 < 16; j0 += 8) {
+                __m512 a[8];
+                for (int jj = 0; jj < 8; jj++) a[jj] = _mm512_setzero_ps();
+                if (j0 < n)
+                    for (int d = 0; d < D; d++) {
+                        const __m512 qv = _mm512_load_ps(qg + d * 16);
+                        for (int jj = 0; jj < 8; jj++) a[jj] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kr[j0 + jj][d]), a[jj]);
+                    }
+                for (int jj = 0; jj < 8; jj++)
+                    sc[j0 + jj] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), vis[j0 + jj], a[jj], vscale);
+            }
+            __m512 cmax = sc[0];
+            for (int j = 1; j < 16; j++) cmax = _mm512_max_ps(cmax, sc[j]);
+            const __m512 mnew = _mm512_max_ps(mx[g], cmax);
+            const __mmask16 seen = _mm512_cmp_ps_mask(mnew, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            const __mmask16 had = _mm512_cmp_ps_mask(mx[g], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            const __m512 corr = _mm512_maskz_mov_ps(had, exp16(_mm512_maskz_sub_ps(had, mx[g], mnew)));
+            __m512 sum = _mm512_setzero_ps();
+            __m512 p[16];
+            for (int j = 0; j < 16; j++) {
+                p[j] = _mm512_maskz_mov_ps(vis[j] & seen, exp16(_mm512_maskz_sub_ps(seen, sc[j], mnew)));
+                sum = _mm512_add_ps(sum, p[j]);
+            }
+            den[g] = _mm512_fmadd_ps(den[g], corr, sum);
+            mx[g] = mnew;
+            __m512 *og = ot + (int64_t)g * D;
+            for (int d0 = 0; d0 < D; d0 += 16) {
+                __m512 o[16];
+                for (int dd = 0; dd < 16; dd++) o[dd] = _mm512_mul_ps(og[d0 + dd], corr);
+                for (int j = 0; j < n; j++) {
+                    const float *vrow = vr[j] + d0;
+                    for (int dd = 0; dd < 16; dd++) o[dd] = _mm512_fmadd_ps(p[j], _mm512_set1_ps(vrow[dd]), o[dd]);
+                }
+                for (int dd = 0; dd < 16; dd++) og[d0 + dd] = o[dd];
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float inv[16] __attribute__((aligned(64)));
+        _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_mask_blend_ps(
+            _mm512_cmp_ps_mask(den[g], _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f), den[g])));
+        float col[16] __attribute__((aligned(64)));
+        for (int d = 0; d < D; d++) {
+            _mm512_store_ps(col, ot[(int64_t)g * D + d]);
+            for (int r = 0; r < nt; r++) out[((int64_t)(t0 + r) * Hq + (int64_t)h * G + g) * D + d] = col[r] * inv[r];
+        }
+    }
+}
+#endif
+
+/* Runs every (sequence, query tile, kv head) item; `f32` picks the element type (q, k, v
+ * and out are then float, else bf16). Returns 0 when done; -1 when this build or shape is
+ * not covered and -2 when a sequence's lengths are inconsistent (0 <= q_len <= ctx <=
+ * max_blocks * block_size must hold): the caller then runs the reference, which reports
+ * the error. */
+static int extend_attention(int f32, const void *q, const void *k, const void *v, const int32_t *block_tables,
+                            int64_t bt_stride, int max_blocks, const int32_t *query_start_loc,
+                            const int32_t *seq_lens, void *out, int S, int Hq, int Hkv, int D, int block_size,
+                            int64_t sb, int64_t ss, int64_t sh, float scale, int num_threads) {
+#ifdef KVMESH_HAVE_AVX512F
+#ifndef KVMESH_HAVE_AVX512_BF16
+    if (!f32) return -1;
+#endif
     const int G = Hq / Hkv;
     if (D % 32 != 0 || D > EXT_MAX_D || G > 16) return -1;
     /* Items: (sequence, query tile, kv head), numbered through a prefix sum of tiles. */
@@ -177,9 +275,10 @@ int kvmesh_extend_attention_bf16(const uint16_t *q, const uint16_t *k, const uin
         max_ctx = seq_lens[s] > max_ctx ? seq_lens[s] : max_ctx;
     }
     const int64_t items = tile_start[S] * Hkv;
+    const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t);
 #pragma omp parallel num_threads(num_threads)
     {
-        uint32_t *qt = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)G * D / 2 * 16);
+        float *qt = (float *)aligned_alloc(64, sizeof(float) * (size_t)G * D * 16); /* fp32 size fits bf16 */
         __m512 *ot = (__m512 *)aligned_alloc(64, sizeof(__m512) * (size_t)G * D);
         uint32_t *vp = (uint32_t *)malloc(sizeof(uint32_t) * 8 * (size_t)D);
         int64_t *offs = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_ctx);
@@ -197,9 +296,18 @@ int kvmesh_extend_attention_bf16(const uint16_t *q, const uint16_t *k, const uin
             const int q0 = query_start_loc[s], q_len = query_start_loc[s + 1] - q0;
             const int t0 = (int)(tile - tile_start[s]) * TILE;
             const int nt = q_len - t0 < TILE ? q_len - t0 : TILE;
-            extend_tile(q + (int64_t)q0 * Hq * D, k, v, block_tables + (int64_t)s * bt_stride, q_len, seq_lens[s],
-                        t0, nt, h, Hq, G, D, block_size, sb, ss, sh, scale, out + (int64_t)q0 * Hq * D, qt, ot,
-                        vp, offs);
+            const int32_t *bt = block_tables + (int64_t)s * bt_stride;
+            const int64_t at = (int64_t)q0 * Hq * D * (int64_t)elem;
+            if (f32)
+                extend_tile_f32((const float *)((const char *)q + at), (const float *)k, (const float *)v, bt, q_len,
+                                seq_lens[s], t0, nt, h, Hq, G, D, block_size, sb, ss, sh, scale,
+                                (float *)((char *)out + at), qt, ot, offs);
+#ifdef KVMESH_HAVE_AVX512_BF16
+            else
+                extend_tile((const uint16_t *)((const char *)q + at), (const uint16_t *)k, (const uint16_t *)v, bt,
+                            q_len, seq_lens[s], t0, nt, h, Hq, G, D, block_size, sb, ss, sh, scale,
+                            (uint16_t *)((char *)out + at), (uint32_t *)qt, ot, vp, offs);
+#endif
         }
         free(qt);
         free(ot);
@@ -209,9 +317,26 @@ int kvmesh_extend_attention_bf16(const uint16_t *q, const uint16_t *k, const uin
     free(tile_start);
     return 0;
 #else
-    (void)q; (void)k; (void)v; (void)block_tables; (void)bt_stride; (void)max_blocks; (void)query_start_loc; (void)seq_lens;
-    (void)out; (void)S; (void)Hq; (void)Hkv; (void)D; (void)block_size; (void)sb; (void)ss; (void)sh;
-    (void)scale; (void)num_threads;
+    (void)f32; (void)q; (void)k; (void)v; (void)block_tables; (void)bt_stride; (void)max_blocks;
+    (void)query_start_loc; (void)seq_lens; (void)out; (void)S; (void)Hq; (void)Hkv; (void)D; (void)block_size;
+    (void)sb; (void)ss; (void)sh; (void)scale; (void)num_threads;
     return -1;
 #endif
+}
+
+int kvmesh_extend_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                                 const int32_t *block_tables, int64_t bt_stride, int max_blocks,
+                                 const int32_t *query_start_loc, const int32_t *seq_lens, uint16_t *out, int S,
+                                 int Hq, int Hkv, int D, int block_size, int64_t sb, int64_t ss, int64_t sh,
+                                 float scale, int num_threads) {
+    return extend_attention(0, q, k, v, block_tables, bt_stride, max_blocks, query_start_loc, seq_lens, out, S, Hq,
+                            Hkv, D, block_size, sb, ss, sh, scale, num_threads);
+}
+
+int kvmesh_extend_attention_f32(const float *q, const float *k, const float *v, const int32_t *block_tables,
+                                int64_t bt_stride, int max_blocks, const int32_t *query_start_loc,
+                                const int32_t *seq_lens, float *out, int S, int Hq, int Hkv, int D, int block_size,
+                                int64_t sb, int64_t ss, int64_t sh, float scale, int num_threads) {
+    return extend_attention(1, q, k, v, block_tables, bt_stride, max_blocks, query_start_loc, seq_lens, out, S, Hq,
+                            Hkv, D, block_size, sb, ss, sh, scale, num_threads);
 }
