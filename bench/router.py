@@ -85,6 +85,7 @@ async def run_conversation(client: httpx.AsyncClient, url: str, model: str, conv
         messages.append({"role": "user", "content": user})
         res = await send_chat(client, url, model, "", max_tokens, messages=list(messages),
                               headers={"x-session-id": f"conv-{conv.cid}"})
+        res.label = f"conv {conv.cid} turn {turn}"
         results.append(res)
         if not res.ok:
             return  # the rest of this conversation depends on the reply

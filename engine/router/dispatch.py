@@ -16,6 +16,7 @@ it is told of every addition and removal, and times only removals at a first byt
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,7 +26,7 @@ import aiohttp
 from kvmesh.engine.router import proxy
 from kvmesh.engine.router.discovery import EngineState, Fleet
 from kvmesh.engine.router.metrics import RouterMetrics
-from kvmesh.engine.router.policies import Policy, RouteRequest
+from kvmesh.engine.router.policies import Policy, RouteRequest, pick
 from kvmesh.engine.router.policies import saturated as policy_saturated
 from kvmesh.engine.router.prompt import PromptInfo, matched_tokens
 from kvmesh.engine.router.proxy import all_engines_down, shedding
@@ -33,6 +34,20 @@ from kvmesh.engine.router.sessions import SessionTable
 
 if TYPE_CHECKING:
     from kvmesh.engine.router.app import RouterSettings
+
+log = logging.getLogger(__name__)
+
+
+def explain(req: RouteRequest, endpoints: list, scores: dict[str, float]) -> str:
+    """Why a pick went where it did: every endpoint's inputs and score (nan: filtered out)."""
+    parts = []
+    for e in endpoints:
+        m = req.matches.get(e.id)
+        cached = matched_tokens(m.blocks, req.block_size, req.prompt_tokens) if m else 0
+        parts.append(f"{e.id} score={scores.get(e.id, float('nan')):.3f} cached={cached} "
+                     f"queued={e.queued_prefill_tokens} running={e.running} "
+                     f"spt={e.prefill_s_per_token} decode_s={e.decode_s_per_seq}")
+    return "; ".join(parts)
 
 
 @dataclass
@@ -109,7 +124,10 @@ class Dispatcher:
         matches, block_size = fleet.prefix_matches(info)
         target = self.sessions.target(session, now) if session else None
         req = RouteRequest(info.num_prompt_tokens, block_size, matches, session, target, exclude)
-        chosen = policy.choose(req, endpoints, next(self._turn) if turn is None else turn)
+        scores = policy.scores(req, endpoints)
+        chosen = pick(scores, next(self._turn) if turn is None else turn)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("pick %s for %d prompt tokens: %s", chosen, req.prompt_tokens, explain(req, endpoints, scores))
         if chosen is not None and session:
             self.sessions.bind(session, chosen, now)
         m = matches.get(chosen) if chosen else None

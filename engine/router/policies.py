@@ -251,14 +251,18 @@ class Policy:
     filters: tuple[Filter, ...]
     scorers: tuple[tuple[Scorer, float], ...]
 
-    def choose(self, req: RouteRequest, endpoints: Sequence[Endpoint], turn: int) -> str | None:
-        """The endpoint id to send ``req`` to, or None when no endpoint passes the filters."""
+    def scores(self, req: RouteRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
+        """The combined score of every endpoint that passes the filters (empty: none passes)."""
         candidates = list(endpoints)
         for f in self.filters:
             candidates = f(req, candidates)
             if not candidates:
-                return None
-        return pick(combine(req, candidates, self.scorers), turn)
+                return {}
+        return combine(req, candidates, self.scorers)
+
+    def choose(self, req: RouteRequest, endpoints: Sequence[Endpoint], turn: int) -> str | None:
+        """The endpoint id to send ``req`` to, or None when no endpoint passes the filters."""
+        return pick(self.scores(req, endpoints), turn)
 
 
 def build_policy(name: str, load: LoadModel = LoadModel(), prefix_weight: float = PREFIX_WEIGHT,

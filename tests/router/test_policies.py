@@ -153,6 +153,16 @@ def test_cache_aware_trades_saved_prefill_against_load():
     assert pol.choose(req, [Endpoint("a", healthy=False)], 0) is None
 
 
+def test_scores_are_the_filtered_candidates_combined_and_choose_picks_their_best():
+    pol = build_policy("cache-aware", LoadModel(running_cost_tokens=64), prefix_weight=1.0)
+    req = RouteRequest(prompt_tokens=200, block_size=16, matches={"a": PrefixMatch(10, {"gpu": 10}, 10.0)})
+    eps = [Endpoint("a", running=1), Endpoint("b"), Endpoint("c", healthy=False)]
+    scores = pol.scores(req, eps)
+    assert set(scores) == {"a", "b"}  # c is filtered out
+    assert scores["a"] > scores["b"] and pol.choose(req, eps, 0) == pick(scores, 0) == "a"
+    assert pol.scores(req, [Endpoint("c", healthy=False)]) == {}
+
+
 def test_session_sticks_then_falls_back_when_target_is_gone_or_saturated():
     pol = build_policy("session", LoadModel(max_running=4))
     req = RouteRequest(prompt_tokens=64, block_size=16, session="s", session_target="b",
