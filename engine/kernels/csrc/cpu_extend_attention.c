@@ -21,6 +21,37 @@
 #define TILE 16
 #define EXT_MAX_D 256
 
+#ifdef KVMESH_HAVE_AVX512F
+/* vis[j]: the lanes (query tokens at positions row0 + lane, lanes in `live`) that see key
+ * c0 + j of a chunk of n keys; 0 for j >= n. */
+static inline void visible_lanes(int c0, int n, int row0, __mmask16 live, __mmask16 *vis) {
+    for (int j = 0; j < 16; j++) {
+        int first = c0 + j - row0; /* first lane that sees key c0 + j */
+        vis[j] = j >= n ? 0 : first <= 0 ? live : first >= 16 ? 0 : (__mmask16)(live & ~((1u << first) - 1u));
+    }
+}
+
+/* One online-softmax step over 16 scores per lane: the new running max (into *mx), the factor
+ * that rescales what was accumulated (returned) and the lanes that have seen a key (*seen).
+ * Lanes that have seen no key yet keep max -inf: their weights and corrections are 0. */
+static inline __m512 softmax_step(const __m512 *sc, __m512 *mx, __mmask16 *seen) {
+    __m512 cmax = sc[0];
+    for (int j = 1; j < 16; j++) cmax = _mm512_max_ps(cmax, sc[j]);
+    const __m512 mnew = _mm512_max_ps(*mx, cmax);
+    *seen = _mm512_cmp_ps_mask(mnew, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __mmask16 had = _mm512_cmp_ps_mask(*mx, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __m512 corr = _mm512_maskz_mov_ps(had, exp16(_mm512_maskz_sub_ps(had, *mx, mnew)));
+    *mx = mnew;
+    return corr;
+}
+
+/* 1 / denominator per lane (1 where nothing was seen), stored to inv[16]. */
+static inline void inverse_denominators(__m512 den, float *inv) {
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_mask_blend_ps(
+        _mm512_cmp_ps_mask(den, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f), den)));
+}
+#endif
+
 #ifdef KVMESH_HAVE_AVX512_BF16
 /* One work item: query tokens [t0, t0 + nt) (nt <= 16) of a sequence, kv head h.
  *
@@ -67,12 +98,8 @@ static void extend_tile(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                                 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int c0 = 0; c0 < last_key; c0 += 16) {
         const int n = last_key - c0 < 16 ? last_key - c0 : 16;
-        /* Key c0 + j is visible to lanes r with row0 + r >= c0 + j. */
         __mmask16 vis[16];
-        for (int j = 0; j < 16; j++) {
-            int first = c0 + j - row0; /* first lane that sees key c0 + j */
-            vis[j] = j >= n ? 0 : first <= 0 ? live : first >= 16 ? 0 : (__mmask16)(live & ~((1u << first) - 1u));
-        }
+        visible_lanes(c0, n, row0, live, vis);
         /* V of key pairs (2jp, 2jp + 1) interleaved per dimension: vp[jp * D + d] holds both
          * keys' v[d] as one 32-bit bf16 pair (a missing odd key reads as 0). */
         const int npairs = (n + 1) / 2;
@@ -105,13 +132,9 @@ static void extend_tile(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                 for (int jj = 0; jj < 8; jj++)
                     sc[j0 + jj] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), vis[j0 + jj], a[jj], vscale);
             }
-            __m512 cmax = sc[0];
-            for (int j = 1; j < 16; j++) cmax = _mm512_max_ps(cmax, sc[j]);
-            const __m512 mnew = _mm512_max_ps(mx[g], cmax);
-            /* Lanes that have seen no key yet keep max -inf: their weights and corrections are 0. */
-            const __mmask16 seen = _mm512_cmp_ps_mask(mnew, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-            const __mmask16 had = _mm512_cmp_ps_mask(mx[g], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-            const __m512 corr = _mm512_maskz_mov_ps(had, exp16(_mm512_maskz_sub_ps(had, mx[g], mnew)));
+            __mmask16 seen;
+            const __m512 corr = softmax_step(sc, &mx[g], &seen);
+            const __m512 mnew = mx[g];
             __m512 sum = _mm512_setzero_ps();
             /* Weights of key pairs as bf16 pairs per lane, for vdpbf16ps against vp (as
              * flash attention does on GPUs: P rounded to bf16, accumulation in fp32). */
@@ -124,7 +147,6 @@ static void extend_tile(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                 pp[jp] = (__m512bh)_mm512_permutexvar_epi16(lane_pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
             }
             den[g] = _mm512_fmadd_ps(den[g], corr, sum);
-            mx[g] = mnew;
             __m512 *og = ot + (int64_t)g * D;
             for (int d0 = 0; d0 < D; d0 += 16) {
                 __m512 o[16];
@@ -140,8 +162,7 @@ static void extend_tile(const uint16_t *q, const uint16_t *k, const uint16_t *v,
     }
     for (int g = 0; g < G; g++) {
         float inv[16] __attribute__((aligned(64)));
-        _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_mask_blend_ps(
-            _mm512_cmp_ps_mask(den[g], _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f), den[g])));
+        inverse_denominators(den[g], inv);
         float col[16] __attribute__((aligned(64)));
         for (int d = 0; d < D; d++) {
             _mm512_store_ps(col, ot[(int64_t)g * D + d]);
@@ -184,10 +205,7 @@ static void extend_tile_f32(const float *q, const float *k, const float *v, cons
     for (int c0 = 0; c0 < last_key; c0 += 16) {
         const int n = last_key - c0 < 16 ? last_key - c0 : 16;
         __mmask16 vis[16];
-        for (int j = 0; j < 16; j++) {
-            int first = c0 + j - row0;
-            vis[j] = j >= n ? 0 : first <= 0 ? live : first >= 16 ? 0 : (__mmask16)(live & ~((1u << first) - 1u));
-        }
+        visible_lanes(c0, n, row0, live, vis);
         const float *kr[16], *vr[16];
         for (int j = 0; j < 16; j++) {
             kr[j] = k + offs[c0 + (j < n ? j : 0)];
@@ -207,12 +225,9 @@ static void extend_tile_f32(const float *q, const float *k, const float *v, cons
                 for (int jj = 0; jj < 8; jj++)
                     sc[j0 + jj] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), vis[j0 + jj], a[jj], vscale);
             }
-            __m512 cmax = sc[0];
-            for (int j = 1; j < 16; j++) cmax = _mm512_max_ps(cmax, sc[j]);
-            const __m512 mnew = _mm512_max_ps(mx[g], cmax);
-            const __mmask16 seen = _mm512_cmp_ps_mask(mnew, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-            const __mmask16 had = _mm512_cmp_ps_mask(mx[g], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-            const __m512 corr = _mm512_maskz_mov_ps(had, exp16(_mm512_maskz_sub_ps(had, mx[g], mnew)));
+            __mmask16 seen;
+            const __m512 corr = softmax_step(sc, &mx[g], &seen);
+            const __m512 mnew = mx[g];
             __m512 sum = _mm512_setzero_ps();
             __m512 p[16];
             for (int j = 0; j < 16; j++) {
@@ -220,7 +235,6 @@ static void extend_tile_f32(const float *q, const float *k, const float *v, cons
                 sum = _mm512_add_ps(sum, p[j]);
             }
             den[g] = _mm512_fmadd_ps(den[g], corr, sum);
-            mx[g] = mnew;
             __m512 *og = ot + (int64_t)g * D;
             for (int d0 = 0; d0 < D; d0 += 16) {
                 __m512 o[16];
@@ -235,8 +249,7 @@ static void extend_tile_f32(const float *q, const float *k, const float *v, cons
     }
     for (int g = 0; g < G; g++) {
         float inv[16] __attribute__((aligned(64)));
-        _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_mask_blend_ps(
-            _mm512_cmp_ps_mask(den[g], _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f), den[g])));
+        inverse_denominators(den[g], inv);
         float col[16] __attribute__((aligned(64)));
         for (int d = 0; d < D; d++) {
             _mm512_store_ps(col, ot[(int64_t)g * D + d]);
