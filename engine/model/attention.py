@@ -7,9 +7,12 @@ contribute prefill chunks of any length. Backends rely on that order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+from kvmesh.engine.dtype_choice import cpu_flags
 
 
 @dataclass
@@ -59,7 +62,8 @@ class AttentionBackend:
     Both implement the same contract (engine/kernels/__init__.py); the engine
     picks one at start-up and every layer uses it. On CPU, attention and the bf16 and
     fp32 elementwise ops run the native C kernels (`native_cpu`; each falls back to its
-    torch reference where it cannot be built or does not apply). Host-side lengths
+    torch reference where it cannot be built or does not apply), except bf16 prefill
+    attention on CPUs with AMX-BF16, where torch's SDPA is the faster. Host-side lengths
     from the metadata are passed down so no kernel reads sequence lengths back from
     the device (which would also break CUDA graph capture).
     """
@@ -86,6 +90,8 @@ class AttentionBackend:
             self._decode_step = nat.decode_step_cpu
             self._decode = nat.paged_decode_attention_cpu
             self._extend = nat.paged_extend_attention_cpu
+            if nat.sdpa_beats_native_bf16_extend(cpu_flags()):
+                self._extend = functools.partial(nat.paged_extend_attention_cpu, bf16_sdpa=True)
         else:
             self.rms_norm = rmsnorm.rms_norm_ref
             self.rope_write_kv = rope.rope_write_kv_ref

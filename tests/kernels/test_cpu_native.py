@@ -105,6 +105,41 @@ def test_extend_fp32_runs_natively_where_avx512f_is(kernel_build, monkeypatch):
     assert called == ([] if native else [1])
 
 
+@pytest.mark.parametrize("flags,sdpa", [({"amx_bf16", "avx512_bf16"}, True), ({"avx512_bf16"}, False),
+                                         ({"avx512f"}, False), (set(), False)])
+def test_bf16_extend_goes_to_sdpa_only_with_amx(flags, sdpa):
+    assert nat.sdpa_beats_native_bf16_extend(frozenset(flags)) is sdpa
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bf16_sdpa_routes_bf16_to_the_reference_and_keeps_fp32_native(kernel_build, monkeypatch, dtype):
+    """``bf16_sdpa``: a bf16 call is answered by the torch reference (SDPA); fp32 stays native
+    where the build has AVX512F; both give the oracle's answer."""
+    g = torch.Generator().manual_seed(5)
+    batch = make_paged_batch([40, 70], 3, 64, 16, dtype, g)
+    q = torch.randn(38, 9, 64, generator=g).to(dtype)
+    qsl = torch.tensor([0, 8, 38], dtype=torch.int32)
+    called = []
+    monkeypatch.setattr(nat, "paged_extend_attention_ref", lambda *a, **k: called.append(1) or
+                        paged_extend_attention_ref(*a, **k))
+    got = nat.paged_extend_attention_cpu(q, batch.k_cache, batch.v_cache, batch.block_tables, qsl,
+                                         batch.seq_lens, 0.125, bf16_sdpa=True)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), naive_extend(q, batch, qsl, 0.125).float(), atol=tol, rtol=tol)
+    native_fp32 = kernel_build == "native" and "avx512f" in open("/proc/cpuinfo").read()
+    assert called == ([] if dtype == torch.float32 and native_fp32 else [1])
+
+
+def test_backend_binds_sdpa_for_bf16_extend_from_the_cpu_flags(monkeypatch):
+    """The CPU backend reads the flags once: with AMX-BF16 its extend runs bf16 through SDPA."""
+    from kvmesh.engine.model import attention
+
+    monkeypatch.setattr(attention, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    assert attention.AttentionBackend("torch")._extend.keywords == {"bf16_sdpa": True}
+    monkeypatch.setattr(attention, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert attention.AttentionBackend("torch")._extend is nat.paged_extend_attention_cpu
+
+
 def test_extend_bad_lengths_raise_like_the_reference():
     g = torch.Generator().manual_seed(1)
     batch = make_paged_batch([10], 1, 64, 16, torch.bfloat16, g)
