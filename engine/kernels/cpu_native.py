@@ -242,7 +242,7 @@ def sdpa_beats_native_bf16_extend(cpu_flags: frozenset[str]) -> bool:
     """Whether bf16 prefill attention should run torch's SDPA instead of the native kernel.
 
     With AMX-BF16, torch's CPU flash attention multiplies on AMX tiles (oneDNN's brgemm), which
-    the native kernel's AVX512-BF16 dot products cannot match: 2.2-3.5x faster for 512-2,048-token
+    the native kernel's AVX512-BF16 dot products cannot match: 1.9-3.5x faster for 512-2,048-token
     chunks on an AMX Xeon (docs/benchmarks.md). Without AMX the native kernel is the faster one,
     and in fp32 it is on both (1.0-1.5x on the same Xeon)."""
     return "amx_bf16" in cpu_flags
