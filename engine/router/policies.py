@@ -16,8 +16,9 @@ Score (docs/router.md explains it), in seconds of the endpoint's own measured wo
     saved_tokens(e) = block_size * weighted matched blocks of e   (tier weights gpu > cpu > remote)
 
 ``spt`` (prefill seconds per token) and ``decode_s`` (seconds per running sequence) are what the
-router measured on that engine (engine/router/rates.py); until it has, the ``LoadModel`` priors
-stand in, and a running request costs ``running_cost_tokens`` prefill tokens.
+router measured on that engine (engine/router/rates.py); until it has, the median of its measured
+peers' stands in (``with_peer_rates``), and with no peer measured the ``LoadModel`` priors, where a
+running request costs ``running_cost_tokens`` prefill tokens.
 
 With unit weights, ``-score(e)`` is the predicted time to this request's first token on ``e``:
 the prefill queued ahead of it and its own uncached prefill (prompt - saved) at that engine's
@@ -33,8 +34,9 @@ of two-stage serving.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvmesh.engine.router.index import PrefixMatch
 
@@ -217,6 +219,31 @@ def affinity_scorer(req: RouteRequest, endpoints: Sequence[Endpoint]) -> dict[st
             for e in endpoints}
 
 
+def with_peer_rates(endpoints: Sequence[Endpoint]) -> list[Endpoint]:
+    """``endpoints``, each rate not measured yet replaced by the median of the peers that have it.
+
+    A pool's engines run one model on one kind of machine, so a peer's measurement predicts an
+    unmeasured engine far better than the ``LoadModel`` prior. Scored at the prior instead, an
+    engine looks as slow as the prior says (500 tok/s; a bf16 engine on one AMX core prefills at
+    ~2,000), a busy measured peer keeps winning, and the idle engine, never picked, is never
+    measured: on the fleet benchmark every request of a run went to one of two engines. With no
+    peer measured, nothing changes (the priors apply).
+    """
+    spts = [e.prefill_s_per_token for e in endpoints if e.prefill_s_per_token is not None and e.prefill_s_per_token > 0]
+    decs = [e.decode_s_per_seq for e in endpoints if e.decode_s_per_seq is not None and e.decode_s_per_seq >= 0]
+    spt = statistics.median(spts) if spts else None
+    dec = statistics.median(decs) if decs else None
+    out = []
+    for e in endpoints:
+        fill: dict[str, float] = {}
+        if spt is not None and (e.prefill_s_per_token is None or e.prefill_s_per_token <= 0):
+            fill["prefill_s_per_token"] = spt
+        if dec is not None and (e.decode_s_per_seq is None or e.decode_s_per_seq < 0):
+            fill["decode_s_per_seq"] = dec
+        out.append(replace(e, **fill) if fill else e)
+    return out
+
+
 # ---- combine and pick --------------------------------------------------------------------
 def combine(req: RouteRequest, endpoints: Sequence[Endpoint],
             scorers: Sequence[tuple[Scorer, float]]) -> dict[str, float]:
@@ -252,8 +279,9 @@ class Policy:
     scorers: tuple[tuple[Scorer, float], ...]
 
     def scores(self, req: RouteRequest, endpoints: Sequence[Endpoint]) -> dict[str, float]:
-        """The combined score of every endpoint that passes the filters (empty: none passes)."""
-        candidates = list(endpoints)
+        """The combined score of every endpoint that passes the filters (empty: none passes);
+        unmeasured rates are the measured peers' (`with_peer_rates`)."""
+        candidates = with_peer_rates(endpoints)
         for f in self.filters:
             candidates = f(req, candidates)
             if not candidates:

@@ -1,5 +1,7 @@
 """Filters, scorers, combine and pick, and the session table, as pure functions."""
 
+from dataclasses import replace
+
 import pytest
 
 from kvmesh.engine.router.index import PrefixMatch
@@ -25,6 +27,7 @@ from kvmesh.engine.router.policies import (
     prefix_seconds_scorer,
     saturated,
     uses_prefix,
+    with_peer_rates,
 )
 from kvmesh.engine.router.sessions import SessionTable, session_key
 
@@ -99,6 +102,35 @@ def test_without_measurements_the_seconds_policy_picks_what_the_token_policy_did
                         assert seconds_policy.choose(req, eps, turn) == token_policy.choose(req, eps, turn)
                         cases += 1
     assert cases == 384
+
+
+def test_unmeasured_engines_take_their_measured_peers_median_rates():
+    measured = [Endpoint("a", prefill_s_per_token=0.0004, decode_s_per_seq=0.03),
+                Endpoint("b", prefill_s_per_token=0.0006, decode_s_per_seq=0.01),
+                Endpoint("c", prefill_s_per_token=0.0020)]
+    filled = with_peer_rates([*measured, Endpoint("d", running=3), Endpoint("e", decode_s_per_seq=0.05)])
+    # medians: prefill of 0.4, 0.6 and 2 ms/token; decode of 10, 30 and 50 ms (e's counts too)
+    assert filled[:3] == measured[:2] + [Endpoint("c", prefill_s_per_token=0.0020, decode_s_per_seq=0.03)]
+    assert (filled[3].prefill_s_per_token, filled[3].decode_s_per_seq, filled[3].running) == (0.0006, 0.03, 3)
+    assert (filled[4].prefill_s_per_token, filled[4].decode_s_per_seq) == (0.0006, 0.05)
+    unmeasured = [Endpoint("a", running=1), Endpoint("b")]
+    assert with_peer_rates(unmeasured) == unmeasured  # nobody measured: the priors apply
+
+
+def test_an_idle_unmeasured_engine_is_not_scored_at_the_prior_beside_a_measured_busy_one():
+    """The fleet benchmark's picks (bf16, one core per engine): ``a`` measured at ~2,000 tok/s and
+    busy with a 1,327-token prefill, ``b`` idle and never picked. At the 500 tok/s prior ``b``'s own
+    prefill of the cold 964-token prompt looked like 1.93 s, more than ``a``'s whole queue, so every
+    request of the run went to ``a``; at ``a``'s rate it is 0.48 s and ``b`` takes it."""
+    pol = build_policy("cache-aware")
+    req = RouteRequest(prompt_tokens=964, block_size=16)
+    busy = Endpoint("a", running=2, queued_prefill_tokens=1327, prefill_s_per_token=0.000508, decode_s_per_seq=0.035)
+    idle = Endpoint("b")
+    assert load_seconds_scorer(LoadModel())(req, [idle])["b"] < load_seconds_scorer(LoadModel())(req, [busy])["a"]
+    assert pol.choose(req, [busy, idle], 0) == "b"
+    # A prefix cached on the busy engine still keeps its conversation there while that pays.
+    hit = RouteRequest(prompt_tokens=1328, block_size=16, matches={"a": PrefixMatch(76, {"gpu": 76}, 76.0)})
+    assert pol.choose(hit, [replace(busy, queued_prefill_tokens=1215), idle], 0) == "a"
 
 
 def test_a_hot_prefix_is_replicated_once_its_owners_queue_costs_more_than_it_saves():
