@@ -93,6 +93,11 @@ def interference(args: argparse.Namespace) -> None:
         params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(streams):
             eng.add_request(f"s{i}", prompt_token_ids=p, params=params)
+        # Every stream prefilled first (many long streams take more steps than --warmup), then
+        # --warmup decode steps: the decode-only timings below must hold no prefill.
+        eng.step()  # requests reach the scheduler at a step
+        while eng.scheduler.queued_prefill_tokens > 0:
+            eng.step()
         for _ in range(args.warmup):
             eng.step()
         decode = [_timed_step(eng, acc) for _ in range(args.decode_steps)]
