@@ -198,6 +198,21 @@ def test_silu_mul_bf16_is_bit_exact():
     assert torch.equal(nat.silu_mul_cpu(gu), silu_mul_ref(gu))
 
 
+def test_silu_mul_bf16_matches_torch_for_every_bf16_gate():
+    """All 65,282 finite, non-NaN bf16 gates (the up half is 1, and a product of two bf16 values is
+    exact in fp32, so this covers every input pair's rounding). The only differences allowed are
+    results at the edge of bf16's normal range or below it: AVX512-BF16's conversion flushes an
+    fp32 subnormal to zero where torch rounds it (at most to the smallest normal, 1.2e-38); a
+    model never tells such a value from zero."""
+    g = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    g = g[torch.isfinite(g)]
+    gu = torch.cat([g, torch.ones_like(g)])[None]
+    got, want = nat.silu_mul_cpu(gu)[0], silu_mul_ref(gu)[0]
+    differ = got != want
+    assert bool((want[differ].float().abs() <= torch.finfo(torch.bfloat16).tiny).all())
+    assert bool((got[differ] == 0).all())
+
+
 def test_rms_norm_and_silu_fp32_match_reference():
     """fp32 has native kernels too: the same operations, reduction and exp orders aside."""
     g = torch.Generator().manual_seed(4)
