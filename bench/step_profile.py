@@ -80,9 +80,12 @@ def interference(args: argparse.Namespace) -> None:
     loaded = load_model("default", dtype)
 
     def engine(budget: int) -> LLMEngine:  # each engine takes its own copy of the weights dict
-        return LLMEngine(EngineConfig(dtype=args.dtype, num_threads=args.threads, max_num_batched_tokens=budget,
-                                      enable_prefix_caching=False),
-                         loaded=dataclasses.replace(loaded, weights=dict(loaded.weights)))
+        eng = LLMEngine(EngineConfig(dtype=args.dtype, num_threads=args.threads, max_num_batched_tokens=budget,
+                                     enable_prefix_caching=False),
+                        loaded=dataclasses.replace(loaded, weights=dict(loaded.weights)))
+        for t in eng.map_pools():  # as `kvmesh serve` does; finished before anything is timed
+            t.join()
+        return eng
 
     for budget in [int(b) for b in args.budgets.split(",")]:
         eng = engine(budget)

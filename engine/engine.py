@@ -50,6 +50,7 @@ from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.stream import RequestStream
 from kvmesh.engine.structured.grammar import GrammarCompiler
 from kvmesh.engine.structured.masking import GrammarState
+from kvmesh.engine.util.prefault import populate_in_background
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
 
@@ -306,6 +307,19 @@ class LLMEngine:
     def waiting_on_transfers(self) -> bool:
         """True while some request waits for a cache-node fetch (a step may then schedule nothing)."""
         return self.scheduler.num_deferred > 0
+
+    def map_pools(self) -> list[threading.Thread]:
+        """Map the host-memory KV pools' pages (the KV cache on CPU, the host tier) on background
+        threads, so no step pays a page fault for a block's first write (engine/util/prefault.py).
+
+        A server calls it once at start-up: its pools are its own for the process's life, and
+        committing them then also makes a pool too large for the container fail at once rather
+        than under load. Offline use does not: an `LLM` touches only what it uses.
+        """
+        pools = [(self.runner.kv_cache, "KV pool")]
+        if self.tiers is not None and self.tiers.host is not None:
+            pools.append((self.tiers.host.data, "host KV tier"))
+        return [populate_in_background(t, what) for t, what in pools]
 
     def close(self) -> None:
         """Release the cache-node connections (if any) and the grammar worker. Idempotent."""

@@ -20,7 +20,6 @@ from kvmesh.engine.model.qwen3_5 import Qwen35Model
 from kvmesh.engine.model.recurrent_state import StateBatch, StatePool
 from kvmesh.engine.sampler import SampleResult, sample
 from kvmesh.engine.scheduler import SchedulerOutput
-from kvmesh.engine.util.prefault import populate_in_background
 
 
 class ModelRunner:
@@ -40,8 +39,6 @@ class ModelRunner:
             (c.num_kv_layers, 2, num_blocks + 1, block_size, c.num_kv_heads, c.head_dim),
             dtype=kv_dtype, device=self.device,
         )
-        # Map the pool's pages now rather than at each block's first write inside a step.
-        populate_in_background(self.kv_cache, "KV pool")
         # Hybrid models: one slot of DeltaNet state per running request (slots assigned by the
         # scheduler's StateSlots; the slot count is its capacity).
         self.states = StatePool(c, num_state_slots, kv_dtype, self.device, num_state_checkpoints) if c.is_hybrid else None

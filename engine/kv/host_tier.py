@@ -34,7 +34,6 @@ from dataclasses import dataclass, fields
 import torch
 
 from kvmesh.engine.block_hash import BlockHash
-from kvmesh.engine.util.prefault import populate_in_background
 from .block_pool import KVBlock, KVIntegrityError
 from .host_copy import HostCopier
 from .events import TIER_CPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventHandler
@@ -83,7 +82,6 @@ class HostTier:
         self.on_event = on_event
         pin = device.type == "cuda"
         self.data = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin)
-        populate_in_background(self.data, "host KV tier")  # saves run on the step thread
         self.block_bytes = self.data[0].numel() * self.data.element_size()
         self._lru: OrderedDict[BlockHash, _Entry] = OrderedDict()  # least recently used first
         self._reserved: dict[BlockHash, _Entry] = {}

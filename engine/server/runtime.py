@@ -113,7 +113,9 @@ def build_server(settings: ServeSettings, engine_factory: Callable[[], Any] | No
         cfg = settings.engine
 
         def engine_factory() -> Any:
-            return LLMEngine(cfg)
+            engine = LLMEngine(cfg)
+            engine.map_pools()  # no step pays a page fault for a block's first write
+            return engine
 
     aengine = AsyncEngine(engine_factory, max_waiting=settings.max_waiting_requests)
     publisher = None

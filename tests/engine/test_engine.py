@@ -13,6 +13,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import DuplicateRequestError, LLMEngine, PromptTooLongError
 from kvmesh.engine.llm import LLM
 from kvmesh.engine.sampling import InvalidSamplingParams, SamplingParams
+from tests.support.residency import resident_pages
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +36,20 @@ def llm(loaded):
 
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_map_pools_maps_the_kv_cache_and_the_host_tier_and_keeps_serving(loaded):
+    """What `kvmesh serve` calls at start-up (engine/server/runtime.py): every page of both
+    host-memory pools mapped, read back from the kernel; the engine answers as before."""
+    llm = _llm(loaded, num_kv_blocks=256, cpu_kv_bytes=32 << 20)
+    eng = llm.engine
+    for thread in eng.map_pools():
+        thread.join(timeout=60)
+    for pool in (eng.runner.kv_cache, eng.tiers.host.data):
+        mapped, pages = resident_pages(pool)
+        assert mapped == pages > 0
+    [r] = llm.chat([CHAT], SamplingParams(temperature=0.0, max_tokens=12))
+    assert "Paris" in r.text
 
 
 def test_greedy_answer_and_eos(llm):

@@ -6,28 +6,15 @@ the kernel, not from kvmesh.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 
 import pytest
 import torch
 
 from kvmesh.engine.util.prefault import populate, populate_in_background
+from tests.support.residency import resident_pages
 
 _MIB = 1 << 20
-
-
-def _resident_pages(t: torch.Tensor) -> int:
-    """Pages of ``t``'s whole-page span the kernel has mapped (mincore)."""
-    page = mmap.PAGESIZE
-    start = -(-t.data_ptr() // page) * page
-    end = (t.data_ptr() + t.untyped_storage().nbytes()) // page * page
-    n = (end - start) // page
-    vec = (ctypes.c_ubyte * n)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    assert libc.mincore(start, end - start, vec) == 0, ctypes.get_errno()
-    return sum(b & 1 for b in vec)
 
 
 def _fresh(nbytes: int) -> torch.Tensor:
@@ -40,11 +27,11 @@ def test_populate_maps_every_page_without_changing_contents():
     t = _fresh(64 * _MIB)
     pages = 64 * _MIB // mmap.PAGESIZE
     t[::4096 * 7] = 7  # some pages written before, the rest never touched
-    before = _resident_pages(t)
+    before, _ = resident_pages(t)
     assert before < pages // 2
     if not populate(t):
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
-    assert _resident_pages(t) == pages
+    assert resident_pages(t) == (pages, pages)
     assert int(t[::4096 * 7].min()) == 7 and int(t.sum()) == 7 * t[::4096 * 7].numel()
 
 
