@@ -20,3 +20,17 @@ from hypothesis import settings as _hypothesis_settings  # noqa: E402
 _hypothesis_settings.register_profile("repeatable", derandomize=True, print_blob=True)
 _hypothesis_settings.register_profile("explore", derandomize=False)
 _hypothesis_settings.load_profile("explore" if os.environ.get("KVMESH_HYPOTHESIS") == "explore" else "repeatable")
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_engines_after_each_module():
+    """An engine is freed by the cycle collector, not when its last name goes; an in-process
+    server's KV pools are mapped whole at start-up (2 GiB by default on CPU). Collecting after
+    each module keeps one process running every suite down to the current module's engines."""
+    yield
+    gc.collect()
