@@ -27,6 +27,13 @@ log = logging.getLogger("kvmesh.engine")
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>; Python's mmap module names it only from 3.13 on
 
 
+def page_span(t: torch.Tensor) -> tuple[int, int]:
+    """(start, end) addresses of the whole pages inside ``t``'s storage (end <= start: none)."""
+    page = mmap.PAGESIZE
+    first = t.data_ptr()
+    return -(-first // page) * page, (first + t.untyped_storage().nbytes()) // page * page
+
+
 def populate(t: torch.Tensor) -> bool:
     """Map every whole page of ``t``'s memory (a CPU tensor) writable; contents are unchanged.
 
@@ -35,9 +42,7 @@ def populate(t: torch.Tensor) -> bool:
     """
     if t.device.type != "cpu" or t.is_pinned():  # pinned memory is mapped at allocation
         return False
-    page = mmap.PAGESIZE
-    start = -(-t.data_ptr() // page) * page
-    end = (t.data_ptr() + t.untyped_storage().nbytes()) // page * page
+    start, end = page_span(t)
     if end <= start:
         return False
     try:

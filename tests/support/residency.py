@@ -7,12 +7,7 @@ import mmap
 
 import torch
 
-
-def page_span(t: torch.Tensor) -> tuple[int, int]:
-    """(first, end) addresses of the whole pages inside ``t``'s storage."""
-    page = mmap.PAGESIZE
-    start = -(-t.data_ptr() // page) * page
-    return start, (t.data_ptr() + t.untyped_storage().nbytes()) // page * page
+from kvmesh.engine.util.prefault import page_span
 
 
 def resident_pages(t: torch.Tensor) -> tuple[int, int]:
