@@ -49,7 +49,7 @@ _tried = False
 
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-_DECODE_ARGS = [_P] * 4 + [_I64, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I]
+_DECODE_ARGS = [_P] * 4 + [_I64, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I, _I]
 _RMS_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I, _F, _I]
 _ROPE_ARGS = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I, _P, _P, _I64, _I, _I, _I, _I]
 _SILU_ARGS = [_P, _I64, _P, _I64, _I, _I]
@@ -169,8 +169,13 @@ def paged_decode_attention_cpu(
     scale: float,
     *,
     max_seq_len: int | None = None,
+    group_prefixes: bool = True,
 ) -> torch.Tensor:
-    """Same contract as `paged_decode_attention_ref`; native for fp32/bf16 CPU tensors."""
+    """Same contract as `paged_decode_attention_ref`; native for fp32/bf16 CPU tensors.
+
+    With ``group_prefixes`` the kernel runs sequences that start in the same KV block (a shared
+    prefix) back to back, so the prefix is read from memory once per step rather than once per
+    sequence; results are identical either way (bench/decode_prefix_order.py measures it)."""
     lib = load_library()
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -191,7 +196,8 @@ def paged_decode_attention_cpu(
     fn = lib.kvmesh_decode_attention_f32 if q.dtype == torch.float32 else lib.kvmesh_decode_attention_bf16
     sb, ss, sh, _ = k_cache.stride()
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.stride(0), sl.data_ptr(),
-       out.data_ptr(), b, hq, hkv, d, k_cache.shape[1], sb, ss, sh, float(scale), torch.get_num_threads())
+       out.data_ptr(), b, hq, hkv, d, k_cache.shape[1], sb, ss, sh, float(scale), torch.get_num_threads(),
+       int(group_prefixes))
     return out
 
 

@@ -69,6 +69,38 @@ def test_decode_bf16_work_splits(num_seqs):
     torch.testing.assert_close(got.float(), naive_decode(q, batch, 0.125).float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_seqs,threads", [(3, 1), (20, 1), (20, 2)])
+def test_decode_prefix_grouping_changes_no_result(dtype, num_seqs, threads):
+    """Sequences that share a prefix (their first blocks) interleaved in the batch, as a scheduler
+    orders them: running them grouped by prefix gives every sequence the same bits as batch order,
+    and both match the oracle (the grouped order is a permutation: none is skipped or repeated)."""
+    g = torch.Generator().manual_seed(num_seqs + threads)
+    bs, hkv, d, groups, shared = 16, 3, 64, 3, 4  # 3 prefixes of 4 blocks each
+    pool = groups * shared + num_seqs * 6
+    k = torch.randn(pool, bs, hkv, d, generator=g).to(dtype)
+    v = torch.randn(pool, bs, hkv, d, generator=g).to(dtype)
+    tails = torch.randperm(pool - groups * shared, generator=g) + groups * shared
+    bt = torch.zeros(num_seqs, shared + 2, dtype=torch.int32)
+    for i in range(num_seqs):
+        grp = i % groups
+        bt[i, :shared] = torch.arange(grp * shared, (grp + 1) * shared)
+        bt[i, shared:] = tails[2 * i:2 * i + 2]
+    lens = torch.randint(shared * bs - 20, (shared + 2) * bs + 1, (num_seqs,), generator=g, dtype=torch.int32)
+    q = torch.randn(num_seqs, 9, d, generator=g).to(dtype)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        plain = paged_decode_attention_cpu(q, k, v, bt, lens, 0.125, group_prefixes=False)
+        grouped = paged_decode_attention_cpu(q, k, v, bt, lens, 0.125, group_prefixes=True)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(plain, grouped)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(grouped.float(), naive_decode(q, PagedBatch(k, v, bt, lens), 0.125).float(),
+                               atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (8, 1, 128), (16, 2, 64), (4, 4, 64)])
 @pytest.mark.parametrize("block_size", [1, 16])

@@ -43,6 +43,32 @@ typedef void (*decode_item_fn)(const void *q, const void *k, const void *v, cons
                                int D, int bsz, int64_t sb, int64_t ss, int64_t sh, int h0, int h1, float scale,
                                void *out, float *sc, void *pb, int64_t *of);
 
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The order to run a batch's sequences in: those whose first KV block is the same physical block
+ * (a shared prefix, such as a system prompt) back to back, ties in batch order. A prefix's rows are
+ * then read from memory by the first of them and from cache by the rest (the interleaved order a
+ * scheduler produces evicts them in between). Each sequence's result does not depend on the order.
+ * NULL (batch order) for batches too large for the sort key or without memory for it. */
+static int *prefix_grouped_order(const int32_t *block_tables, int64_t bt_stride, int B) {
+    if (B < 2 || B >= (1 << 24)) return NULL;
+    int64_t *keys = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
+    int *order = (int *)malloc(sizeof(int) * (size_t)B);
+    if (keys == NULL || order == NULL) {
+        free(keys);
+        free(order);
+        return NULL;
+    }
+    for (int b = 0; b < B; b++) keys[b] = ((int64_t)(uint32_t)block_tables[(int64_t)b * bt_stride] << 24) | b;
+    qsort(keys, (size_t)B, sizeof(int64_t), cmp_i64);
+    for (int b = 0; b < B; b++) order[b] = (int)(keys[b] & ((1 << 24) - 1));
+    free(keys);
+    return order;
+}
+
 /* Runs a batch's work items over the threads: whole sequences (all kv heads) when there are enough
  * of them to balance the threads (contiguous reads), else one item per (sequence, kv head). Each
  * thread allocates its scratch once for the longest context: scores, offsets and, with
@@ -50,13 +76,14 @@ typedef void (*decode_item_fn)(const void *q, const void *k, const void *v, cons
 static void run_decode_items(decode_item_fn item, size_t elem, size_t pb_elem, const void *q, const void *k,
                              const void *v, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                              void *out, int B, int Hq, int Hkv, int D, int block_size, int64_t sb, int64_t ss,
-                             int64_t sh, float scale, int num_threads) {
+                             int64_t sh, float scale, int num_threads, int group_prefixes) {
     const int G = Hq / Hkv;
     const int heads_per_item = (B >= 4 * num_threads && Hq <= MAX_QH) ? Hkv : 1;
     const int items_per_seq = Hkv / heads_per_item;
     const int64_t items = (int64_t)B * items_per_seq;
     int max_len = 1;
     for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    int *order = group_prefixes ? prefix_grouped_order(block_tables, bt_stride, B) : NULL;
 #pragma omp parallel num_threads(num_threads)
     {
         float *sc = (float *)malloc(sizeof(float) * (size_t)heads_per_item * G * max_len);
@@ -64,7 +91,8 @@ static void run_decode_items(decode_item_fn item, size_t elem, size_t pb_elem, c
         void *pb = pb_elem ? malloc(pb_elem * (size_t)heads_per_item * G * (max_len + 16)) : NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            int b = (int)(it / items_per_seq), h0 = (int)(it % items_per_seq) * heads_per_item;
+            int s = (int)(it / items_per_seq), h0 = (int)(it % items_per_seq) * heads_per_item;
+            int b = order ? order[s] : s;
             int64_t row = ((int64_t)b * Hq + (int64_t)h0 * G) * D;
             item((const char *)q + row * elem, k, v, block_tables + (int64_t)b * bt_stride, seq_lens[b], G, D,
                  block_size, sb, ss, sh, h0, h0 + heads_per_item, scale, (char *)out + row * elem, sc, pb, of);
@@ -73,6 +101,7 @@ static void run_decode_items(decode_item_fn item, size_t elem, size_t pb_elem, c
         free(of);
         free(pb);
     }
+    free(order);
 }
 #endif
 
@@ -422,11 +451,12 @@ void kvmesh_decode_attention_f32(const float *q, const float *k, const float *v,
                                  const int32_t *block_tables, int64_t bt_stride,
                                  const int32_t *seq_lens, float *out, int B, int Hq, int Hkv, int D,
                                  int block_size, int64_t sb, int64_t ss, int64_t sh, float scale,
-                                 int num_threads) {
+                                 int num_threads, int group_prefixes) {
+    (void)group_prefixes; /* only the AVX-512 paths order their work */
 #ifdef KVMESH_HAVE_AVX512F
     if (D % 16 == 0 && D <= MAX_D && Hq / Hkv <= MAX_G) {
         run_decode_items(decode_f32_item, sizeof(float), 0, q, k, v, block_tables, bt_stride, seq_lens, out, B, Hq,
-                         Hkv, D, block_size, sb, ss, sh, scale, num_threads);
+                         Hkv, D, block_size, sb, ss, sh, scale, num_threads, group_prefixes);
         return;
     }
 #endif
@@ -437,11 +467,12 @@ void kvmesh_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const ui
                                   const int32_t *block_tables, int64_t bt_stride,
                                   const int32_t *seq_lens, uint16_t *out, int B, int Hq, int Hkv,
                                   int D, int block_size, int64_t sb, int64_t ss, int64_t sh,
-                                  float scale, int num_threads) {
+                                  float scale, int num_threads, int group_prefixes) {
+    (void)group_prefixes; /* only the AVX-512 paths order their work */
 #ifdef KVMESH_HAVE_AVX512_BF16
     if (D % 32 == 0 && D <= MAX_D) {
         run_decode_items(decode_bf16_item, sizeof(uint16_t), sizeof(uint16_t), q, k, v, block_tables, bt_stride,
-                         seq_lens, out, B, Hq, Hkv, D, block_size, sb, ss, sh, scale, num_threads);
+                         seq_lens, out, B, Hq, Hkv, D, block_size, sb, ss, sh, scale, num_threads, group_prefixes);
         return;
     }
 #endif
@@ -462,7 +493,7 @@ int kvmesh_decode_step_bf16(const uint16_t *qkv, int64_t qkv_stride, const int64
                               qkv_stride, positions, cos_sin, slots, k_cache, v_cache, sb, ss, sh, block_size,
                               q_rot, NULL, B, Hq, Hkv, D, num_threads);
     kvmesh_decode_attention_bf16(q_rot, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, B, Hq, Hkv, D,
-                                 block_size, sb, ss, sh, scale, num_threads);
+                                 block_size, sb, ss, sh, scale, num_threads, 1);
     free(q_rot);
     return 0;
 }
