@@ -51,6 +51,7 @@ from kvmesh.engine.stream import RequestStream
 from kvmesh.engine.structured.grammar import GrammarCompiler
 from kvmesh.engine.structured.masking import GrammarState
 from kvmesh.engine.util.prefault import populate_in_background
+from kvmesh.engine.util.weak_callback import weak_method
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
 
@@ -215,7 +216,7 @@ class LLMEngine:
             num_blocks, cfg.block_size, cfg.enable_prefix_caching and (not hybrid or num_checkpoints > 0),
             extra_key(self.model_id, str(self.dtype).removeprefix("torch."),
                       cache_salt=cfg.cache_salt or None),
-            on_event=self._on_kv_event, on_evict=self._on_evict,
+            on_event=weak_method(self._on_kv_event), on_evict=weak_method(self._on_evict),
         )
         self._cache_node = None
         if cfg.cpu_kv_bytes or cfg.cache_node:
@@ -229,16 +230,16 @@ class LLMEngine:
             host_states = None
             if num_checkpoints:
                 ckpts = CheckpointIndex(num_checkpoints, StatePool.bytes_per_slot(self.model_config, self.dtype.itemsize),
-                                        on_publish=self._on_checkpoint_published,
-                                        on_evict=self._on_checkpoint_evicted)
+                                        on_publish=weak_method(self._on_checkpoint_published),
+                                        on_evict=weak_method(self._on_checkpoint_evicted))
                 if self.tiers is not None:
                     from kvmesh.engine.kv.tier_setup import build_state_tier, enable_remote_states
 
                     pool = self.runner.states
                     host_states = build_state_tier(cfg, pool.ckpt_conv, pool.ckpt_ssm)
                     if host_states is not None:
-                        host_states.on_stored = self._on_host_checkpoints_stored
-                        host_states.on_removed = self._on_host_checkpoints_removed
+                        host_states.on_stored = weak_method(self._on_host_checkpoints_stored)
+                        host_states.on_removed = weak_method(self._on_host_checkpoints_removed)
                     enable_remote_states(self.tiers, self.model_config.linear_layers, pool.ckpt_conv, pool.ckpt_ssm)
             self.state_slots = HybridStateManager(cfg.max_num_seqs, cfg.block_size, ckpts,
                                                   cfg.state_checkpoint_interval, host=host_states)
@@ -248,14 +249,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, tiers=self.tiers, states=self.state_slots,
                                    pacer=self.pacer)
-        self.prefill = PrefillRole(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout, self._on_step_thread,
-                                   states=self.runner.states)
+        self.prefill = PrefillRole(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout,
+                                   weak_method(self._on_step_thread), states=self.runner.states)
         """The prefill side of handoffs (engine/disagg/prefill_side.py); a hybrid model's final part
         carries the request's recurrent state."""
-        self.decode = DecodeRole(DecodeTransfers(self.kv, self.write_blocks, cfg.kv_transfer_timeout,
+        self.decode = DecodeRole(DecodeTransfers(self.kv, weak_method(self.write_blocks), cfg.kv_transfer_timeout,
                                                  cfg.kv_transfer_timeout, cfg.kv_transfer_reserve_tokens,
                                                  slot_nbytes(self.runner.states) if hybrid else 0),
-                                 self._on_step_thread)
+                                 weak_method(self._on_step_thread))
         """The decode side of handoffs (engine/disagg/decode_side.py)."""
         self.wake: Callable[[], None] | None = None
         """Set by the thread that drives the engine: called when work arrives from another thread

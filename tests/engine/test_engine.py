@@ -4,7 +4,9 @@ abort, seeds, logprobs, validation, thread-safe submission."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -50,6 +52,21 @@ def test_map_pools_maps_the_kv_cache_and_the_host_tier_and_keeps_serving(loaded)
         assert mapped == pages > 0
     [r] = llm.chat([CHAT], SamplingParams(temperature=0.0, max_tokens=12))
     assert "Paris" in r.text
+
+
+def test_dropped_engine_is_freed_without_the_cycle_collector(loaded):
+    """Components call back into the engine (eviction, KV events, transfer hooks) through weak
+    references: an `LLM` the caller drops frees its engine, KV pool and host tier at once, not
+    at the next collection."""
+    gc.disable()
+    try:
+        llm = _llm(loaded, num_kv_blocks=64, cpu_kv_bytes=4 << 20)
+        llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4))
+        engine, pool = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.kv_cache)
+        del llm
+        assert engine() is None and pool() is None
+    finally:
+        gc.enable()
 
 
 def test_greedy_answer_and_eos(llm):
