@@ -185,7 +185,7 @@ def run_vllm(args: argparse.Namespace, trace, model_dir: Path, log_root: Path, c
         listen = f"127.0.0.1:{free_port()}"
         envoy = EnvoyProcess(round_robin_config(listen, [u.removeprefix("http://") for u in urls])).start()
         try:
-            return _measure(args, trace, f"http://{listen}", [], "vLLM round-robin (Envoy)")
+            return _measure(args, trace, f"http://{listen}", urls, "vLLM round-robin (Envoy)")
         finally:
             envoy.stop()
     finally:
@@ -213,7 +213,7 @@ def _row(r: FleetResult) -> str:
     return (f"| {s.name} | {r.goodput_rps:.3f} ({r.slo_met}/{s.requests}; TTFT {r.ttft_met}, TPOT {r.tpot_met}) | "
             f"{t.get('p50', 0):.2f} / {t.get('p90', 0):.2f} / {t.get('p99', 0):.2f} | "
             f"{p.get('p50', 0) * 1e3:.0f} / {p.get('p90', 0) * 1e3:.0f} / {p.get('p99', 0) * 1e3:.0f} | "
-            f"{s.output_tok_s:.1f} | {s.requests - s.failed}/{s.requests} |")
+            f"{s.output_tok_s:.1f} | {s.fleet_hit_rate:.0%} | {s.preemptions} | {s.requests - s.failed}/{s.requests} |")
 
 
 def main() -> int:
@@ -278,8 +278,8 @@ def main() -> int:
             print(f"{system} at {rate}/s: {time.monotonic() - t0:.0f} s", file=sys.stderr)
 
     header = ["| rate | system | goodput req/s (met both SLOs; met each) | TTFT p50/p90/p99 (s) "
-              "| TPOT p50/p90/p99 (ms) | out tok/s | ok |",
-              "|---|---|---|---|---|---|---|"]
+              "| TPOT p50/p90/p99 (ms) | out tok/s | prefix hits | preemptions | ok |",
+              "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(header + [f"| {key.split('@')[1]} {_row(r)}" for key, r in results.items()]))
     for rate in rates:
         ca, vl = results.get(f"kvmesh-cache-aware@{rate}"), results.get(f"vllm@{rate}")

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh.engine.util.metrics import parse_samples, sample_value
+from kvmesh.engine.util.metrics import parse_samples
 from kvmesh.up import Supervisor, UpOptions, plan
 
 # Run as a script, bench/ is on sys.path.
@@ -93,13 +93,22 @@ async def run_conversation(client: httpx.AsyncClient, url: str, model: str, conv
         await asyncio.sleep(conv.think_s[turn])
 
 
-def prefix_counters(urls: list[str]) -> tuple[float, float]:
-    q = h = 0.0
+# Each engine's counters, by what they count: kvmesh's names and vLLM's (both count prompt tokens).
+ENGINE_COUNTERS = {
+    "queries": ("kvmesh_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+    "hits": ("kvmesh_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+    "preemptions": ("kvmesh_preemptions_total", "vllm:num_preemptions_total"),
+}
+
+
+def engine_counters(urls: list[str]) -> dict[str, float]:
+    """ENGINE_COUNTERS summed over the engines at ``urls`` (every sample of each name)."""
+    out = dict.fromkeys(ENGINE_COUNTERS, 0.0)
     for u in urls:
-        s = parse_samples(httpx.get(u + "/metrics", timeout=30).text)
-        q += sample_value(s, "kvmesh_prefix_cache_queries_total") or 0.0
-        h += sample_value(s, "kvmesh_prefix_cache_hits_total") or 0.0
-    return q, h
+        samples = parse_samples(httpx.get(u + "/metrics", timeout=30).text)
+        for key, names in ENGINE_COUNTERS.items():
+            out[key] += sum(v for (n, _labels), v in samples.items() if n in names)
+    return out
 
 
 def _pcts(values: list[float]) -> dict[str, float]:
@@ -121,27 +130,29 @@ class SystemResult:
     cached_tokens_reported: int
     errors: list[str] = field(default_factory=list)
     router_rates: dict[str, dict[str, float]] = field(default_factory=dict)
+    preemptions: int = 0
+    """Sequences the engines preempted (recomputed later) for lack of KV blocks during the run."""
 
 
 async def replay(url: str, engine_urls: list[str], model: str, trace: list[Conversation], max_tokens: int,
                  name: str, raw: list[RequestResult] | None = None) -> SystemResult:
     """Replay ``trace`` against ``url``; ``raw``, when given, receives every request's result."""
-    q0, h0 = prefix_counters(engine_urls)
+    before = engine_counters(engine_urls)
     results: list[RequestResult] = [] if raw is None else raw
     limits = httpx.Limits(max_connections=len(trace) + 8, max_keepalive_connections=len(trace) + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(run_conversation(client, url, model, c, t0, max_tokens, results) for c in trace))
         duration = time.perf_counter() - t0
-    q1, h1 = prefix_counters(engine_urls)
+    delta = {k: v - before[k] for k, v in engine_counters(engine_urls).items()}
     ok = [r for r in results if r.ok]
     return SystemResult(
         name=name, requests=len(results), failed=len(results) - len(ok), duration_s=duration,
         output_tok_s=sum(r.output_tokens for r in ok) / duration,
         ttft_s=_pcts([r.ttft for r in ok]), tpot_s=_pcts([r.tpot for r in ok]),
-        fleet_hit_rate=(h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
+        fleet_hit_rate=delta["hits"] / delta["queries"] if delta["queries"] > 0 else 0.0,
         prompt_tokens=sum(r.prompt_tokens for r in ok), cached_tokens_reported=sum(r.cached_tokens for r in ok),
-        errors=sorted({r.error for r in results if not r.ok})[:5])
+        errors=sorted({r.error for r in results if not r.ok})[:5], preemptions=int(delta["preemptions"]))
 
 
 async def added_latency(router_url: str, engine_url: str, model: str, n: int) -> dict[str, dict[str, float]]:
