@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
-from typing import Callable
-
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -129,13 +128,12 @@ def shared_prefix_tables(seqs: int, blocks: int, groups: int, shared: int, g: to
     """Block tables for ``seqs`` sequences of ``blocks`` blocks each; sequence i starts with the
     ``shared`` blocks of prefix ``i % groups`` (none when groups == 0), the rest its own."""
     table = torch.zeros(seqs, blocks, dtype=torch.int32)
-    nxt = groups * shared
-    own = torch.randperm(seqs * blocks, generator=g) + nxt  # scattered, as a pool in use
+    own = torch.randperm(seqs * blocks, generator=g) + groups * shared  # scattered, as a pool in use
+    k = shared if groups else 0
     for i in range(seqs):
-        k = shared if groups else 0
-        if groups:
+        if k:
             table[i, :k] = torch.arange((i % groups) * shared, (i % groups + 1) * shared)
-        table[i, k:] = own[i * blocks:i * blocks + blocks - k]
+        table[i, k:] = own[i * blocks:(i + 1) * blocks - k]
     return table
 
 

@@ -29,7 +29,8 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_engines_after_each_module():
-    """An engine is freed by the cycle collector, not when its last name goes; an in-process
+    """An engine is freed when its last reference goes, but one held from a reference cycle (an
+    app's closures, a failed test's traceback) waits for the cycle collector, and an in-process
     server's KV pools are mapped whole at start-up (2 GiB by default on CPU). Collecting after
     each module keeps one process running every suite down to the current module's engines."""
     yield

@@ -175,7 +175,7 @@ def paged_decode_attention_cpu(
 
     With ``group_prefixes`` the kernel runs sequences that start in the same KV block (a shared
     prefix) back to back, so the prefix is read from memory once per step rather than once per
-    sequence; results are identical either way (bench/decode_prefix_order.py measures it)."""
+    sequence; results are identical either way (bench/cpu_kernels.py measures it)."""
     lib = load_library()
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
