@@ -1,4 +1,4 @@
-"""bench/kernels.py: argument parsing, CPU refusal, and a dry run of the whole harness."""
+"""bench/gpu_kernels.py: argument parsing, CPU refusal, and a dry run of the whole harness."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_kernels.py"
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ plus write bytes). Prefill is compute-bound and is reported as TFLOP/s of causal
 (4 * visible query-key pairs * heads * head_dim). Timing uses CUDA events around several
 iterations after a warmup.
 
-    python bench/kernels.py                          # default sweep, Triton kernels
-    python bench/kernels.py --impl both --json out.json
-    python bench/kernels.py --dry-run                # CPU, torch reference, tiny sizes:
+    python bench/gpu_kernels.py                          # default sweep, Triton kernels
+    python bench/gpu_kernels.py --impl both --json out.json
+    python bench/gpu_kernels.py --dry-run                # CPU, torch reference, tiny sizes:
                                                      # proves the harness, numbers mean nothing
 
 Without a CUDA device (and without --dry-run) it exits with status 2.
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         device_name = torch.cuda.get_device_name(device)
     else:
         print(
-            "bench/kernels.py measures GPU kernels and needs a CUDA device; none is available. "
+            "bench/gpu_kernels.py measures GPU kernels and needs a CUDA device; none is available. "
             "CPU figures would say nothing about the kernels. Use --dry-run to check the harness.",
             file=sys.stderr,
         )
