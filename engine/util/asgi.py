@@ -5,6 +5,7 @@ upstreams; real TCP, so whatever talks to it opens real connections)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -12,7 +13,6 @@ from typing import Any
 
 import uvicorn
 
-from kvmesh.engine.util.localproc import free_port
 
 
 async def read_body(receive: Callable[[], Any]) -> bytes:
@@ -29,15 +29,26 @@ async def read_body(receive: Callable[[], Any]) -> bytes:
 
 
 class ServerThread:
-    """uvicorn for ``app`` on its own thread and event loop; ``start`` returns once it listens."""
+    """uvicorn for ``app`` on its own thread and event loop; ``start`` returns once it listens.
+
+    The listening socket is bound here, before the thread starts (port 0: the kernel picks a
+    free one), so no other process can take the port between choosing it and listening on it.
+    """
 
     def __init__(self, app: Any, port: int | None = None) -> None:
-        self.port = port or free_port()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind(("127.0.0.1", port or 0))
+        except OSError:
+            self.sock.close()
+            raise
+        self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="auto",
                                 loop="asyncio", http="httptools")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self, timeout: float = 30) -> ServerThread:
         self.thread.start()
@@ -51,3 +62,4 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(15)
+        self.sock.close()
