@@ -87,6 +87,12 @@ class EngineConfig:
                                           help="token budget of one engine step (default: %(default)s)")
     max_model_len: int | None = setting(None, "--max-model-len", group=MODEL, type=int,
                                         help="longest prompt + completion in tokens (default: the model's)")
+    admission_reserve_tokens: int = setting(
+        128, "--admission-reserve-tokens", group=KV, type=int, metavar="N",
+        help="admit a new request only while the KV pool also keeps room for the next N tokens of every "
+             "running request and of the new one (at most to each one's max_tokens), so that streams are "
+             "not preempted and recomputed to make room for new ones (0: admit while blocks last) "
+             "(default: %(default)s)")
     enable_prefix_caching: bool = setting(True, "--no-prefix-caching", group=KV, action="store_false",
                                           help="disable prefix caching")
     enable_chunked_prefill: bool = setting(True, "--no-chunked-prefill", group=KV, action="store_false",
@@ -185,6 +191,8 @@ class EngineConfig:
             raise ConfigError(f"cpu_state_bytes must be a byte count >= 0, got {self.cpu_state_bytes!r}")
         if not isinstance(self.state_checkpoint_bytes, int) or self.state_checkpoint_bytes < 0:
             raise ConfigError(f"state_checkpoint_bytes must be a byte count >= 0, got {self.state_checkpoint_bytes!r}")
+        if not isinstance(self.admission_reserve_tokens, int) or self.admission_reserve_tokens < 0:
+            raise ConfigError(f"admission_reserve_tokens must be >= 0, got {self.admission_reserve_tokens!r}")
         if not isinstance(self.kv_transfer_reserve_tokens, int) or self.kv_transfer_reserve_tokens < 0:
             raise ConfigError(f"kv_transfer_reserve_tokens must be >= 0, got {self.kv_transfer_reserve_tokens!r}")
         if self.kv_transfer_timeout <= 0:

@@ -8,6 +8,15 @@ latest-arrived running request is preempted (its blocks freed, its progress
 reset so it is recomputed later, its generated tokens kept). No new request is
 admitted in a step that preempted.
 
+With an admission reserve of N tokens (``reserve_tokens``), a waiting request is admitted
+only if the pool keeps, after its blocks, the blocks every running request and the new one
+need for their next N tokens (the rest of a prompt being prefilled counts; no request counts
+past its max_tokens, a prefill-role request past its first token). Invariant: while every
+running request stays within N tokens of where it was at the last admission, no running
+request is preempted to make room for a new one; a pool that would have thrashed instead
+queues new requests until running ones finish. With nothing running, the head of the queue
+is admitted whenever its blocks fit, so the reserve never stalls an idle engine.
+
 With chunked prefill off, a new request is admitted only when its whole prompt
 fits in the step's remaining budget (the engine rejects prompts longer than the
 budget, so the head of the queue always fits once the running requests finish).
@@ -96,8 +105,12 @@ class Scheduler:
         tiers: KVTiers | None = None,
         states: HybridStateManager | None = None,
         pacer: PrefillPacer | None = None,
+        reserve_tokens: int = 0,
     ) -> None:
+        if reserve_tokens < 0:
+            raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
         self.kv = kv
+        self.reserve_tokens = reserve_tokens
         self.pacer = pacer if enable_chunked_prefill else None
         self.tiers = tiers
         # Hybrid models: a running request holds a recurrent-state slot (admission to finish or
@@ -264,6 +277,7 @@ class Scheduler:
                 self.running.append(req)
                 scheduled.append(ScheduledSeq(req, num_new, req.num_computed_tokens))
                 budget -= num_new
+            reserve = sum(self._reserve_blocks(r, self.kv.num_held_blocks(r.request_id)) for r in self.running)
             while (budget > 0 and len(self.running) < self.max_num_seqs
                    and (prefill_left is None or prefill_left > 0)):
                 req = self._peek_waiting()
@@ -304,9 +318,10 @@ class Scheduler:
                 num_new = chunk_tokens(num_computed + num_loaded, req.num_tokens,
                                        budget if prefill_left is None else min(budget, prefill_left),
                                        self.kv.block_size, self._tail(req))
+                own = self._reserve_blocks(req, self.kv.num_blocks_for(num_computed + num_loaded + num_new))
                 blocks = self.kv.allocate_slots(
                     req.request_id, req.all_token_ids, num_new, computed_blocks, num_computed + num_loaded,
-                    root=req.kv_root,
+                    root=req.kv_root, spare_blocks=reserve + own if self.running else 0,
                 )
                 if blocks is None:
                     self._cancel_hits(hits, restore)
@@ -327,6 +342,7 @@ class Scheduler:
                 # The primary tier's own counters: hits there only (lower tiers count their own).
                 self.kv.record_prefix_lookup(req.num_tokens, num_computed, preempted=not first_admission)
                 self.running.append(req)
+                reserve += own
                 scheduled.append(ScheduledSeq(req, num_new, num_computed + num_loaded))
                 budget -= num_new
                 if prefill_left is not None:
@@ -338,6 +354,14 @@ class Scheduler:
         out.num_decodes = len(decodes)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _reserve_blocks(self, req: Request, held_blocks: int) -> int:
+        """Blocks past ``held_blocks`` that ``req`` needs for its next ``reserve_tokens`` tokens."""
+        if self.reserve_tokens <= 0:
+            return 0
+        end = req.num_prompt_tokens + (1 if req.handoff is not None else req.params.max_tokens)
+        horizon = min(end, req.num_tokens + self.reserve_tokens)
+        return max(0, self.kv.num_blocks_for(horizon) - held_blocks)
 
     def _prefill_cap(self, now: float | None) -> int | None:
         """The pacer's prompt-token allowance beside the running decodes (None: no pacing)."""

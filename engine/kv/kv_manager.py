@@ -142,7 +142,8 @@ class KVCacheManager:
 
     def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int,
                        new_computed_blocks: Sequence[KVBlock] = (),
-                       num_computed_tokens: int = 0, root: BlockHash = ROOT_HASH) -> list[KVBlock] | None:
+                       num_computed_tokens: int = 0, root: BlockHash = ROOT_HASH,
+                       spare_blocks: int = 0) -> list[KVBlock] | None:
         """Make the request own blocks for ``num_computed_tokens + num_new_tokens`` tokens.
 
         ``num_computed_tokens`` counts tokens whose KV already exists: on the first call the
@@ -150,7 +151,8 @@ class KVCacheManager:
         ``new_computed_blocks``), on later calls the request's running count. Returns the newly
         allocated blocks, or None, with nothing changed, if the pool cannot supply them. A hit
         block sitting in the free queue is not available for allocation once taken, so it is
-        subtracted from the free count before admitting.
+        subtracted from the free count before admitting. ``spare_blocks``: also None unless that
+        many blocks stay free afterwards (the scheduler's admission reserve).
         """
         if num_new_tokens < 0 or num_computed_tokens < 0:
             raise ValueError(f"token counts must be >= 0 (new {num_new_tokens}, computed {num_computed_tokens})")
@@ -176,7 +178,7 @@ class KVCacheManager:
         held = len(state.blocks) if state is not None else 0
         need = max(0, self.num_blocks_for(num_computed_tokens + num_new_tokens) - held - len(new_computed_blocks))
         taken_from_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - taken_from_free:
+        if need + max(0, spare_blocks) > self.pool.num_free_blocks - taken_from_free:
             return None
         if state is None:
             state = RequestKV(root=root)
@@ -261,6 +263,11 @@ class KVCacheManager:
     def num_cached_blocks(self, request_id: str) -> int:
         state = self.requests.get(request_id)
         return state.num_cached_blocks if state is not None else 0
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks ``request_id`` owns now (0 for an unknown id)."""
+        state = self.requests.get(request_id)
+        return len(state.blocks) if state is not None else 0
 
     @property
     def num_free_blocks(self) -> int:

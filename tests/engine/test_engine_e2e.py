@@ -40,6 +40,7 @@ def test_prefix_hits_chunked_prefill_and_preemption_together(model_dir, referenc
     cfg = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", block_size=4,
                        max_num_batched_tokens=10,  # chunks prompts; not a multiple of the block size
                        num_kv_blocks=-(-longest // 4) + 4,  # one long request and a little more: preemption
+                       admission_reserve_tokens=0,  # admit while blocks last, so growth preempts
                        enable_prefix_caching=True, enable_chunked_prefill=True)
     llm = LLM(engine=LLMEngine(cfg, loaded=dataclasses.replace(loaded, weights=dict(loaded.weights)),
                                debug_checks=True))

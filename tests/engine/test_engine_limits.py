@@ -59,6 +59,7 @@ def test_chunked_prefill_off_recomputes_preempted_request_longer_than_budget(loa
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     ref = _llm(loaded).generate(prompts, params)
     llm = _llm(loaded, enable_chunked_prefill=False, max_num_batched_tokens=16, block_size=4, num_kv_blocks=10,
+               admission_reserve_tokens=0,
                enable_prefix_caching=False)
     got = llm.generate(prompts, params)
     assert llm.engine.stats().num_preemptions > 0

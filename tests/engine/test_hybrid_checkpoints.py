@@ -120,7 +120,8 @@ def test_preemption_resumes_from_checkpoints(hybrid_dir):
     checkpoints (or recompute) and equal transformers."""
     prompts = [PROMPT, PROMPT[:37] + SUFFIX, [(3 * j) % 900 + 20 for j in range(50)]]
     reference = hf_greedy(hybrid_dir, prompts, 24)
-    engine = _engine(hybrid_dir, num_kv_blocks=12, max_num_batched_tokens=64, state_checkpoint_interval=16)
+    engine = _engine(hybrid_dir, num_kv_blocks=12, max_num_batched_tokens=64, state_checkpoint_interval=16,
+                     admission_reserve_tokens=0)
     results = LLM(engine=engine).generate(prompts, _params(24))
     assert engine.stats().num_preemptions > 0
     for res, (want, _) in zip(results, reference):

@@ -60,7 +60,7 @@ def test_chunked_prefill_budgets(hybrid_dir, reference, budget):
 
 def test_preemption_recomputes_state(hybrid_dir, reference):
     """A KV pool too small for all requests forces preemption; the victims restart from token 0."""
-    llm = _llm(hybrid_dir, num_kv_blocks=13, max_num_batched_tokens=64)
+    llm = _llm(hybrid_dir, num_kv_blocks=13, max_num_batched_tokens=64, admission_reserve_tokens=0)
     results = llm.generate(PROMPTS, _params())
     assert llm.engine.stats().num_preemptions > 0, "the tiny pool forced no preemption"
     _assert_parity(results, reference)

@@ -164,11 +164,23 @@ def test_prefill_paced_beside_decodes(loaded, prompts, hf_reference):
 def test_preemption_tiny_pool(loaded, prompts, hf_reference):
     longest = max(len(p) for p in prompts) + MAX_NEW
     blocks = -(-longest // 16) + 2  # room for one long request and a little more
-    llm = _engine(loaded, num_kv_blocks=blocks, enable_prefix_caching=False)
+    llm = _engine(loaded, num_kv_blocks=blocks, enable_prefix_caching=False, admission_reserve_tokens=0)
     results = llm.generate(prompts, _params())
     assert llm.engine.stats().num_preemptions > 0, "the tiny pool forced no preemption"
     ties = _compare(results, hf_reference)
     print(f"preemption: {llm.engine.stats().num_preemptions} preemptions, near ties {ties}")
+
+
+def test_tiny_pool_with_the_admission_reserve(loaded, prompts, hf_reference):
+    """The same tiny pool with the default admission reserve: requests queue for blocks instead of
+    preempting one another (every request here generates fewer tokens than the reserve)."""
+    longest = max(len(p) for p in prompts) + MAX_NEW
+    llm = _engine(loaded, num_kv_blocks=-(-longest // 16) + 2, enable_prefix_caching=False)
+    assert llm.engine.config.admission_reserve_tokens >= MAX_NEW
+    results = llm.generate(prompts, _params())
+    assert llm.engine.stats().num_preemptions == 0
+    ties = _compare(results, hf_reference)
+    print(f"admission reserve: near ties {ties}")
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
@@ -184,7 +196,8 @@ def test_block_sizes_with_prefix_hits(loaded, prompts, hf_reference, block_size)
 def test_preemption_with_prefix_caching(loaded, prompts, hf_reference):
     """Preempted requests come back partly from the prefix cache: recompute must still match."""
     longest = max(len(p) for p in prompts) + MAX_NEW
-    llm = _engine(loaded, num_kv_blocks=-(-longest // 16) + 2, enable_prefix_caching=True)
+    llm = _engine(loaded, num_kv_blocks=-(-longest // 16) + 2, enable_prefix_caching=True,
+                  admission_reserve_tokens=0)
     ties = _compare(llm.generate(prompts, _params()), hf_reference)
     ties += _compare(llm.generate(prompts, _params()), hf_reference)
     stats = llm.engine.stats()
@@ -280,7 +293,8 @@ def test_repetition_penalty_matches_transformers(loaded, prompts, hf_model):
     small pool, where the penalty's count table outlives preemptions."""
     refs = _hf_generate(hf_model, prompts, repetition_penalty=1.3)
     longest = max(len(p) for p in prompts) + MAX_NEW
-    llm = _engine(loaded, max_num_batched_tokens=64, num_kv_blocks=-(-longest // 16) + 2)
+    llm = _engine(loaded, max_num_batched_tokens=64, num_kv_blocks=-(-longest // 16) + 2,
+                  admission_reserve_tokens=0)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
     results = llm.generate(prompts, params)
     assert llm.engine.stats().num_preemptions > 0, "the small pool forced no preemption"

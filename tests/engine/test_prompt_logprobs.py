@@ -25,7 +25,7 @@ def reference(model_dir):
     return out
 
 
-@pytest.mark.parametrize("cfg", [{}, {"max_num_batched_tokens": 8}, {"num_kv_blocks": 30}])
+@pytest.mark.parametrize("cfg", [{}, {"max_num_batched_tokens": 8}, {"num_kv_blocks": 30, "admission_reserve_tokens": 0}])
 def test_prompt_logprobs_equal_transformers_in_every_mode(model_dir, loaded, reference, cfg):
     """Plain, 8-token chunks, and a pool small enough to preempt; the shared 40-token prefix is
     cached first, and a scored request still scores it (it takes no prefix hits)."""

@@ -43,7 +43,7 @@ def _params(**kw) -> SamplingParams:
 
 
 @pytest.mark.parametrize("mode", [
-    {}, {"max_num_batched_tokens": 8}, {"num_kv_blocks": 34, "enable_prefix_caching": False}])
+    {}, {"max_num_batched_tokens": 8}, {"num_kv_blocks": 34, "enable_prefix_caching": False, "admission_reserve_tokens": 0}])
 def test_json_schema_outputs_are_valid_in_every_mode(model_dir, loaded, mode):
     """Plain, chunked prefill (8-token chunks) and preemption (a pool too small for the batch):
     sampled at temperature 1, every output is a complete instance of the schema, ended by
