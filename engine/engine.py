@@ -248,7 +248,8 @@ class LLMEngine:
         self.pacer = PrefillPacer(cfg.tpot_slo_ms / 1e3) if cfg.tpot_slo_ms > 0 else None
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, tiers=self.tiers, states=self.state_slots,
-                                   pacer=self.pacer, reserve_tokens=cfg.admission_reserve_tokens)
+                                   pacer=self.pacer, reserve_tokens=cfg.admission_reserve_tokens,
+                                   ttft_slo_s=cfg.ttft_slo_ms / 1e3)
         self.prefill = PrefillRole(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout,
                                    weak_method(self._on_step_thread), states=self.runner.states)
         """The prefill side of handoffs (engine/disagg/prefill_side.py); a hybrid model's final part

@@ -17,6 +17,12 @@ request is preempted to make room for a new one; a pool that would have thrashed
 queues new requests until running ones finish. With nothing running, the head of the queue
 is admitted whenever its blocks fit, so the reserve never stalls an idle engine.
 
+With a TTFT target (``ttft_slo_s``, ``--ttft-slo-ms``), waiting requests that have already
+waited longer than it for a first token are admitted after those that have not (each class in
+queue order). Under overload the queue then serves the requests that can still make the target
+instead of spending the engine on ones that cannot; a late request still runs whenever no timely
+one waits (the scheduler never idles for it), and waits longer than it would have.
+
 With chunked prefill off, a new request is admitted only when its whole prompt
 fits in the step's remaining budget (the engine rejects prompts longer than the
 budget, so the head of the queue always fits once the running requests finish).
@@ -106,11 +112,15 @@ class Scheduler:
         states: HybridStateManager | None = None,
         pacer: PrefillPacer | None = None,
         reserve_tokens: int = 0,
+        ttft_slo_s: float = 0.0,
     ) -> None:
         if reserve_tokens < 0:
             raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
+        if not ttft_slo_s >= 0:
+            raise ValueError(f"ttft_slo_s must be >= 0 (0: first come, first served), got {ttft_slo_s}")
         self.kv = kv
         self.reserve_tokens = reserve_tokens
+        self.ttft_slo_s = ttft_slo_s
         self.pacer = pacer if enable_chunked_prefill else None
         self.tiers = tiers
         # Hybrid models: a running request holds a recurrent-state slot (admission to finish or
@@ -125,6 +135,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._waiting: list[tuple[int, int, Request]] = []  # heap on Request.sort_key()
         self._num_waiting = 0
+        self._late: list[tuple[int, int, Request]] = []  # waiting past the TTFT target, same order
         self.num_preemptions = 0
 
     # ---- queue management -------------------------------------------------
@@ -140,7 +151,7 @@ class Scheduler:
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens not yet computed, over waiting and partly prefilled running requests."""
         n = 0
-        for req in [r for _, _, r in self._waiting] + self._deferred:
+        for req in [r for _, _, r in self._waiting + self._late] + self._deferred:
             if req.status is RequestStatus.WAITING:
                 n += max(0, req.num_prompt_tokens - req.num_computed_tokens)
         for req in self.running:
@@ -182,10 +193,30 @@ class Scheduler:
         if self.tiers is not None:
             self.tiers.forget(req.request_id)
 
-    def _peek_waiting(self) -> Request | None:
-        while self._waiting and self._waiting[0][2].status is not RequestStatus.WAITING:
-            heapq.heappop(self._waiting)
-        return self._waiting[0][2] if self._waiting else None
+    def _peek_waiting(self, now: float | None = None) -> Request | None:
+        """The next request to admit: the first in queue order that can still make the TTFT
+        target, else the first of those that cannot (moved aside as they are found late)."""
+        while self._waiting:
+            req = self._waiting[0][2]
+            if req.status is not RequestStatus.WAITING:
+                heapq.heappop(self._waiting)
+            elif self._is_late(req, now):
+                heapq.heappush(self._late, heapq.heappop(self._waiting))
+            else:
+                return req
+        while self._late and self._late[0][2].status is not RequestStatus.WAITING:
+            heapq.heappop(self._late)
+        return self._late[0][2] if self._late else None
+
+    def _is_late(self, req: Request, now: float | None) -> bool:
+        """Waiting longer than the TTFT target for a first token (a preempted request, which has
+        its first token, never is)."""
+        return (self.ttft_slo_s > 0 and now is not None and not req.output_token_ids
+                and now - req.metrics.arrival_time > self.ttft_slo_s)
+
+    def _pop_waiting(self, req: Request) -> None:
+        heap = self._waiting if self._waiting and self._waiting[0][2] is req else self._late
+        heapq.heappop(heap)
 
     @property
     def num_deferred(self) -> int:
@@ -280,7 +311,7 @@ class Scheduler:
             reserve = sum(self._reserve_blocks(r, self.kv.num_held_blocks(r.request_id)) for r in self.running)
             while (budget > 0 and len(self.running) < self.max_num_seqs
                    and (prefill_left is None or prefill_left > 0)):
-                req = self._peek_waiting()
+                req = self._peek_waiting(now)
                 if req is None:
                     break
                 if req.collects_prompt_logprobs:  # every prompt position's logits are computed
@@ -292,7 +323,7 @@ class Scheduler:
                 if self.tiers is not None and self.kv.enable_caching and not req.collects_prompt_logprobs:
                     hits = self.tiers.lookup(req.request_id, req.num_tokens, len(computed_blocks))
                     if hits is None:  # a cache-node fetch is in flight: let the others run
-                        heapq.heappop(self._waiting)
+                        self._pop_waiting(req)
                         self._deferred.append(req)
                         continue
                 restore = None
@@ -330,7 +361,7 @@ class Scheduler:
                     self.tiers.commit(req.request_id, hits, blocks, len(computed_blocks), req.num_tokens)
                     if num_loaded:  # loaded blocks join the primary prefix index now (promotion)
                         self.kv.cache_blocks(req.request_id, req.all_token_ids, num_computed + num_loaded)
-                heapq.heappop(self._waiting)
+                self._pop_waiting(req)
                 self._num_waiting -= 1
                 req.status = RequestStatus.RUNNING
                 if self.states is not None:

@@ -183,6 +183,15 @@ def test_tiny_pool_with_the_admission_reserve(loaded, prompts, hf_reference):
     print(f"admission reserve: near ties {ties}")
 
 
+def test_ttft_first_admission(loaded, prompts, hf_reference):
+    """One sequence at a time with a 1 ms TTFT target: every queued request turns late and is
+    admitted from the late queue (the order rules themselves: tests/engine/test_ttft_admission.py)."""
+    llm = _engine(loaded, max_num_seqs=1, ttft_slo_ms=1.0)
+    results = llm.generate(prompts, _params())
+    ties = _compare(results, hf_reference)
+    print(f"TTFT-first admission: near ties {ties}")
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_block_sizes_with_prefix_hits(loaded, prompts, hf_reference, block_size):
     llm = _engine(loaded, block_size=block_size, max_num_batched_tokens=64)
