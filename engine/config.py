@@ -62,7 +62,10 @@ class EngineConfig:
     router's claim; a prefill engine's held blocks waiting for confirmation) before its blocks
     are freed. kv_transfer_reserve_tokens: a decode engine reserves the blocks of the prompt
     plus max_tokens generated tokens, at most this many (0: all of max_tokens); a request within
-    it never needs another block.
+    it never needs another block. admission_reserve_tokens: a waiting request is admitted only
+    while the pool keeps room for this many more tokens of every running request and of itself
+    (0: while blocks last); ttft_slo_ms: waiting requests past this first-token target are
+    admitted after those within it (0: first come, first served); both in engine/scheduler.py.
     """
 
     model: str = "default"  # the CLI's --model/--model-path/--config resolve to this (server/cli.py)
