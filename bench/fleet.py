@@ -136,16 +136,17 @@ def slo_counts(results: list, ttft_s: float, tpot_s: float) -> tuple[int, int, i
     return sum(a and b for a, b in met), sum(a for a, _ in met), sum(b for _, b in met)
 
 
-VARIANTS = {"paced": ("paced", "--tpot-slo-ms"), "ttft": ("TTFT-first", "--ttft-slo-ms")}
-"""kvmesh-POLICY-SUFFIX: (what the table calls it, the `kvmesh serve` flag set to the SLO's target)."""
+VARIANTS = {"paced": ("paced", "--tpot-slo-ms", lambda args: args.slo_tpot_ms),
+            "ttft": ("TTFT-first", "--ttft-slo-ms", lambda args: args.slo_ttft_s * 1e3)}
+"""kvmesh-POLICY-SUFFIX: (what the table calls it, the `kvmesh serve` flag, its value in ms: the SLO's target)."""
 
 
 def run_kvmesh(args: argparse.Namespace, trace, policy: str, log_root: Path, cores: int,
                variant: str = "") -> FleetResult:
     serve = ("--dtype", args.dtype, *args.kvmesh_args.split())
     if variant:
-        label, flag = VARIANTS[variant]
-        serve += (flag, str(args.slo_tpot_ms if variant == "paced" else args.slo_ttft_s * 1e3))
+        _, flag, target_ms = VARIANTS[variant]
+        serve += (flag, str(target_ms(args)))
     specs = plan(UpOptions(engines=args.engines, port=args.base_port, engine_base_port=args.base_port + 100,
                            kv_events_base_port=args.base_port + 200, model=args.model, policy=policy, threads=1,
                            kv_cache_bytes=args.kv_cache_bytes, serve_args=serve), cores)

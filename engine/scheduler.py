@@ -308,7 +308,9 @@ class Scheduler:
                 self.running.append(req)
                 scheduled.append(ScheduledSeq(req, num_new, req.num_computed_tokens))
                 budget -= num_new
-            reserve = sum(self._reserve_blocks(r, self.kv.num_held_blocks(r.request_id)) for r in self.running)
+            # Only a queue to admit from needs the running requests' reserve.
+            reserve = (sum(self._reserve_blocks(r, self.kv.num_held_blocks(r.request_id)) for r in self.running)
+                       if self.reserve_tokens and self._num_waiting else 0)
             while (budget > 0 and len(self.running) < self.max_num_seqs
                    and (prefill_left is None or prefill_left > 0)):
                 req = self._peek_waiting(now)

@@ -14,7 +14,6 @@ from typing import Any
 import uvicorn
 
 
-
 async def read_body(receive: Callable[[], Any]) -> bytes:
     """The whole request body; a client that disconnects first cancels the caller (nothing to
     answer)."""
