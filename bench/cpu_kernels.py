@@ -6,7 +6,8 @@ attention runs over 30 layers' worth of cache so K/V come from DRAM, as in a rea
 decode step; the other kernels run on one warm input. Reports the best of a few
 repetitions per kernel, in ms, and the ratio. A last comparison runs the native decode
 kernel on sequences that share prefixes (four system prompts, interleaved in the batch as
-a scheduler orders them) in batch order and grouped by prefix.
+a scheduler orders them) in batch order, grouped by prefix, and grouped on AMX tiles (the
+default where the CPU has AMX-BF16; elsewhere that column repeats the vector kernel).
 
     python bench/cpu_kernels.py --json bench/results/cpu_kernels.json
 """
@@ -139,7 +140,8 @@ def shared_prefix_tables(seqs: int, blocks: int, groups: int, shared: int, g: to
 
 def prefix_order_rows(g: torch.Generator, reps: int) -> list[dict]:
     """16 decoding sequences of 1,200 tokens over 30 layers, with 4 shared 1,008-token prefixes
-    (63 blocks) or none: the native kernel in batch order against prefix-grouped."""
+    (63 blocks) or none: the native vector kernel in batch order and prefix-grouped, and the
+    prefix-grouped AMX kernel."""
     seqs, ctx, groups, shared = 16, 1200, 4, 63
     blocks = -(-ctx // BS)
     kv = torch.randn(LAYERS, 2, groups * shared + seqs * blocks, BS, HKV, D, generator=g).bfloat16()
@@ -149,13 +151,17 @@ def prefix_order_rows(g: torch.Generator, reps: int) -> list[dict]:
     for name, n in (("no shared prefix", 0), ("4 shared prefixes, interleaved", groups)):
         table = shared_prefix_tables(seqs, blocks, n, shared, g)
 
-        def step(grouped: bool):
+        def step(grouped: bool, tiles: bool):
             return lambda: [nat.paged_decode_attention_cpu(q, kv[i, 0], kv[i, 1], table, lens, D ** -0.5,
-                                                           group_prefixes=grouped) for i in range(LAYERS)]
-        plain, grouped = best_ms(step(False), reps), best_ms(step(True), reps)
-        out.append({"case": name, "batch_order_ms": plain, "grouped_ms": grouped, "speedup": plain / grouped})
+                                                           group_prefixes=grouped, tiles=tiles)
+                            for i in range(LAYERS)]
+        plain, grouped = best_ms(step(False, False), reps), best_ms(step(True, False), reps)
+        tiles = best_ms(step(True, True), reps)
+        out.append({"case": name, "batch_order_ms": plain, "grouped_ms": grouped, "speedup": plain / grouped,
+                    "tiles_ms": tiles, "tiles_speedup": plain / tiles})
         print(f"decode attention, 16 x {ctx} tokens, {name:32s} 30 layers: batch order {plain:6.1f} ms"
-              f"  grouped {grouped:6.1f} ms  {plain / grouped:4.2f}x")
+              f"  grouped {grouped:6.1f} ms ({plain / grouped:4.2f}x)"
+              f"  grouped on AMX tiles {tiles:6.1f} ms ({plain / tiles:4.2f}x)")
     return out
 
 

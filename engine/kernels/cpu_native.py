@@ -39,8 +39,8 @@ from kvmesh.engine.util.cache_dir import building, default_cache_dir
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("cpu_decode_attention.c", "cpu_extend_attention.c", "cpu_elementwise.c", "cpu_bitmask.c",
-            "cpu_qlinear.c")
+_SOURCES = ("cpu_decode_attention.c", "cpu_decode_amx.c", "cpu_extend_attention.c", "cpu_elementwise.c",
+            "cpu_bitmask.c", "cpu_qlinear.c")
 _HEADERS = ("kvmesh_cpu.h",)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 _lock = threading.Lock()
@@ -67,7 +67,8 @@ _SIGNATURES = {  # C prototypes; keep in step with csrc/
     "kvmesh_silu_mul_f32": _SILU_ARGS,
     "kvmesh_extend_attention_bf16": _EXTEND_ARGS,
     "kvmesh_extend_attention_f32": _EXTEND_ARGS,
-    "kvmesh_decode_step_bf16": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I],
+    "kvmesh_decode_attention_bf16_amx": _DECODE_ARGS,
+    "kvmesh_decode_step_bf16": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I, _I],
     "kvmesh_argmax_bf16": [_P, _I64, _I64, _I64, _P, _I],
     "kvmesh_argmax_f32": [_P, _I64, _I64, _I64, _P, _I],
     "kvmesh_apply_bitmask_bf16": [_P, _I64, _P, _I64, _P, _I64, _I64],
@@ -75,7 +76,8 @@ _SIGNATURES = {  # C prototypes; keep in step with csrc/
     "kvmesh_qlinear_f32": [_P, _I64, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _I],
     "kvmesh_dequant_rows_f32": [_P, _P, _P, _I, _P, _I, _I],
 }
-_RETURNS = {"kvmesh_extend_attention_bf16": ctypes.c_int, "kvmesh_extend_attention_f32": ctypes.c_int,
+_RETURNS = {"kvmesh_decode_attention_bf16_amx": ctypes.c_int,
+            "kvmesh_extend_attention_bf16": ctypes.c_int, "kvmesh_extend_attention_f32": ctypes.c_int,
             "kvmesh_decode_step_bf16": ctypes.c_int, "kvmesh_qlinear_f32": ctypes.c_int,
             "kvmesh_dequant_rows_f32": ctypes.c_int}
 
@@ -170,12 +172,16 @@ def paged_decode_attention_cpu(
     *,
     max_seq_len: int | None = None,
     group_prefixes: bool = True,
+    tiles: bool = True,
 ) -> torch.Tensor:
     """Same contract as `paged_decode_attention_ref`; native for fp32/bf16 CPU tensors.
 
     With ``group_prefixes`` the kernel runs sequences that start in the same KV block (a shared
     prefix) back to back, so the prefix is read from memory once per step rather than once per
-    sequence; results are identical either way (bench/cpu_kernels.py measures it)."""
+    sequence; results are identical either way (bench/cpu_kernels.py measures it). With ``tiles``,
+    bf16 runs on AMX tiles where the CPU has AMX-BF16 (csrc/cpu_decode_amx.c: the query rows of
+    up to 16 / G sequences of one prefix multiply together); elsewhere, or for shapes it does not
+    take, on the AVX-512 kernel."""
     lib = load_library()
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -193,11 +199,14 @@ def paged_decode_attention_cpu(
     out = torch.empty_like(q)
     if b == 0:
         return out
-    fn = lib.kvmesh_decode_attention_f32 if q.dtype == torch.float32 else lib.kvmesh_decode_attention_bf16
     sb, ss, sh, _ = k_cache.stride()
-    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.stride(0), sl.data_ptr(),
-       out.data_ptr(), b, hq, hkv, d, k_cache.shape[1], sb, ss, sh, float(scale), torch.get_num_threads(),
-       int(group_prefixes))
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.stride(0), sl.data_ptr(),
+            out.data_ptr(), b, hq, hkv, d, k_cache.shape[1], sb, ss, sh, float(scale), torch.get_num_threads(),
+            int(group_prefixes))
+    if q.dtype == torch.float32:
+        lib.kvmesh_decode_attention_f32(*args)
+    elif not tiles or lib.kvmesh_decode_attention_bf16_amx(*args) != 0:
+        lib.kvmesh_decode_attention_bf16(*args)
     return out
 
 
@@ -265,11 +274,14 @@ def decode_step_cpu(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    tiles: bool = True,
 ) -> torch.Tensor | None:
     """RoPE + KV write + decode attention for one query row per sequence, in one call.
 
     qkv: bf16 [B, (Hq + 2 Hkv) D] rows (q | k | v); returns [B, Hq D], or None where the
-    native code does not apply (the caller then runs the separate kernels).
+    native code does not apply (the caller then runs the separate kernels). ``tiles``: as in
+    `paged_decode_attention_cpu`.
     """
     lib = load_library()
     if lib is None or not _bf16_rows(qkv) or not _paged_cache_ok(k_cache, v_cache, torch.bfloat16) \
@@ -289,7 +301,7 @@ def decode_step_cpu(
         qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos_sin.data_ptr(), slot_mapping.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(), out.data_ptr(), b, num_heads, hkv, d, k_cache.shape[1], sb, ss, sh, float(scale),
-        torch.get_num_threads())
+        torch.get_num_threads(), int(tiles))
     return out if rc == 0 else None
 
 

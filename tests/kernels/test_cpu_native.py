@@ -101,6 +101,75 @@ def test_decode_prefix_grouping_changes_no_result(dtype, num_seqs, threads):
                                atol=tol, rtol=tol)
 
 
+def _shared_prefix_batch(g, num_seqs, prefixes, prefix_len, hkv, d, bs, tail=(1, 70)):
+    """Sequences i opening on prefix i % prefixes (the same blocks), then tails of their own; the
+    slots past each tail's last token hold NaN, as a reused block's stale rows may."""
+    pb = -(-prefix_len // bs)
+    tb = -(-tail[1] // bs) + 1
+    pool = prefixes * pb + num_seqs * tb
+    k = torch.randn(pool, bs, hkv, d, generator=g).bfloat16()
+    v = torch.randn(pool, bs, hkv, d, generator=g).bfloat16()
+    tails = torch.randperm(pool - prefixes * pb, generator=g) + prefixes * pb
+    bt = torch.zeros(num_seqs, pb + tb, dtype=torch.int32)
+    lens = []
+    for i in range(num_seqs):
+        p = i % prefixes
+        bt[i, :pb] = torch.arange(p * pb, (p + 1) * pb)
+        bt[i, pb:] = tails[i * tb:(i + 1) * tb]
+        lens.append(prefix_len + int(torch.randint(tail[0], tail[1], (1,), generator=g)))
+    lens[0] = max(1, prefix_len - 40)  # one member ends inside the prefix: the common part is shorter
+    for i, n in enumerate(lens):
+        if (n - 1) // bs >= pb:  # a block of its own (in a prefix block, others read on)
+            last = int(bt[i, (n - 1) // bs])
+            k[last, (n - 1) % bs + 1:] = float("nan")
+            v[last, (n - 1) % bs + 1:] = float("nan")
+    return k, v, bt, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (8, 1, 128), (16, 2, 64), (4, 4, 64), (32, 2, 128)])
+@pytest.mark.parametrize("num_seqs,prefixes", [(1, 1), (7, 2), (20, 3), (5, 5)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_bf16_tiles(hq, hkv, head_dim, num_seqs, prefixes, block_size):
+    """The AMX kernel (on CPUs with AMX-BF16; elsewhere the call runs the vector kernel) against the
+    oracle, on sequences sharing prefixes in subgroups of up to 16 / G, with stale NaN rows in their
+    last blocks; grouping by prefix changes no bit, and the vector kernel agrees within bf16."""
+    g = torch.Generator().manual_seed(hq * 100 + num_seqs + block_size)
+    k, v, bt, lens = _shared_prefix_batch(g, num_seqs, prefixes, 100, hkv, head_dim, block_size)
+    q = torch.randn(num_seqs, hq, head_dim, generator=g).bfloat16()
+    scale = head_dim ** -0.5
+    tiles = paged_decode_attention_cpu(q, k, v, bt, lens, scale)
+    alone = paged_decode_attention_cpu(q, k, v, bt, lens, scale, group_prefixes=False)
+    vector = paged_decode_attention_cpu(q, k, v, bt, lens, scale, tiles=False)
+    assert torch.equal(tiles, alone)
+    want = naive_decode(q, PagedBatch(k, v, bt, lens), scale).float()
+    torch.testing.assert_close(tiles.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(vector.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_decode_bf16_tiles_run_where_the_cpu_has_amx(kernel_build):
+    """The AMX entry point answers 0 (it ran) exactly on the native build of a CPU with AMX-BF16,
+    and -1 (nothing written) for shapes it does not take: the vector kernel then runs."""
+    from kvmesh.engine.dtype_choice import cpu_flags
+
+    lib = nat.load_library()
+    g = torch.Generator().manual_seed(3)
+
+    def call(head_dim, block_size):
+        batch = make_paged_batch([40, 17], 3, head_dim, block_size, torch.bfloat16, g)
+        q = torch.randn(2, 9, head_dim, generator=g).bfloat16()
+        out = torch.zeros_like(q)
+        sb, ss, sh, _ = batch.k_cache.stride()
+        bt = batch.block_tables
+        return lib.kvmesh_decode_attention_bf16_amx(
+            q.data_ptr(), batch.k_cache.data_ptr(), batch.v_cache.data_ptr(), bt.data_ptr(), bt.stride(0),
+            batch.seq_lens.data_ptr(), out.data_ptr(), 2, 9, 3, head_dim, block_size, sb, ss, sh, 0.125, 1, 1)
+
+    amx = kernel_build == "native" and {"amx_bf16", "amx_tile"} <= cpu_flags()
+    assert call(64, 16) == (0 if amx else -1)
+    assert call(64, 1) == -1  # a 16-token chunk must lie in one block
+    assert call(48, 16) == -1
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (8, 1, 128), (16, 2, 64), (4, 4, 64)])
 @pytest.mark.parametrize("block_size", [1, 16])

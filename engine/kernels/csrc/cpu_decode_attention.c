@@ -481,19 +481,22 @@ void kvmesh_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const ui
 
 /* One decode step of a layer: RoPE on the fused q|k|v rows (k and v written to the
  * cache), then decode attention of the rotated queries; out is [B, Hq, D]. Saves the
- * caller a round trip for q_rot and k_rot. Returns -1 without memory for q_rot. */
+ * caller a round trip for q_rot and k_rot. With use_tiles the attention runs on AMX tiles
+ * where cpu_decode_amx.c applies. Returns -1 without memory for q_rot. */
 int kvmesh_decode_step_bf16(const uint16_t *qkv, int64_t qkv_stride, const int64_t *positions,
                             const float *cos_sin, const int64_t *slots, uint16_t *k_cache, uint16_t *v_cache,
                             const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                             uint16_t *out, int B, int Hq, int Hkv, int D, int block_size, int64_t sb,
-                            int64_t ss, int64_t sh, float scale, int num_threads) {
+                            int64_t ss, int64_t sh, float scale, int num_threads, int use_tiles) {
     uint16_t *q_rot = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)B * Hq * D);
     if (q_rot == NULL) return -1;
     kvmesh_rope_write_kv_bf16(qkv, qkv_stride, qkv + (int64_t)Hq * D, qkv_stride, qkv + (int64_t)(Hq + Hkv) * D,
                               qkv_stride, positions, cos_sin, slots, k_cache, v_cache, sb, ss, sh, block_size,
                               q_rot, NULL, B, Hq, Hkv, D, num_threads);
-    kvmesh_decode_attention_bf16(q_rot, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, B, Hq, Hkv, D,
-                                 block_size, sb, ss, sh, scale, num_threads, 1);
+    if (!use_tiles || kvmesh_decode_attention_bf16_amx(q_rot, k_cache, v_cache, block_tables, bt_stride, seq_lens, out,
+                                                       B, Hq, Hkv, D, block_size, sb, ss, sh, scale, num_threads, 1))
+        kvmesh_decode_attention_bf16(q_rot, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, B, Hq, Hkv, D,
+                                     block_size, sb, ss, sh, scale, num_threads, 1);
     free(q_rot);
     return 0;
 }

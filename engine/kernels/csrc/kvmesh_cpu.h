@@ -34,6 +34,12 @@ void kvmesh_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const ui
                                   const int32_t *seq_lens, uint16_t *out, int B, int Hq, int Hkv,
                                   int D, int block_size, int64_t sb, int64_t ss, int64_t sh,
                                   float scale, int num_threads, int group_prefixes);
+/* The AMX-BF16 decode kernel (cpu_decode_amx.c): 0 when it ran, -1 when it does not apply here
+ * (no AMX, another shape, no permission for the tile registers), nothing written then. */
+int kvmesh_decode_attention_bf16_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                                     uint16_t *out, int B, int Hq, int Hkv, int D, int block_size, int64_t sb,
+                                     int64_t ss, int64_t sh, float scale, int num_threads, int group_prefixes);
 
 /* Round an fp32 value to bf16 and back: the value a torch bf16 op would hold. */
 static inline float round_bf(float f) { return bf2f(f2bf(f)); }
