@@ -14,6 +14,11 @@ then prefilled alone on an idle engine, so each mixed step is set against the de
 plus the chunk on its own: what a stream waits for, and what mixing itself costs.
 
     python bench/step_profile.py --interference --threads 1 --dtype float32
+
+`--shared-decode`: decode-only steps of `--streams` sequences over 1, 2, 4 or `--streams` shared
+prompts, the bf16 decode attention on the vector kernel against AMX tiles, alternating.
+
+    python bench/step_profile.py --shared-decode --streams 15 --threads 1
 """
 
 from __future__ import annotations
@@ -68,6 +73,19 @@ def _timed_step(eng: LLMEngine, acc: collections.Counter) -> tuple[float, dict[s
     return time.perf_counter() - t0, dict(acc), outs
 
 
+def _decode_medians(eng: LLMEngine, acc: collections.Counter, args: argparse.Namespace) -> tuple[float, dict]:
+    """Every queued prompt prefilled first (many long streams take more steps than --warmup), then
+    --warmup decode steps, then --decode-steps timed ones: their median ms and each part's median s
+    (the timings hold no prefill)."""
+    while eng.scheduler.queued_prefill_tokens > 0:
+        eng.step()
+    for _ in range(args.warmup):
+        eng.step()
+    steps = [_timed_step(eng, acc) for _ in range(args.decode_steps)]
+    ms = sorted(1e3 * t for t, _, _ in steps)[len(steps) // 2]
+    return ms, {k: sorted(p.get(k, 0.0) for _, p, _ in steps)[len(steps) // 2] for k in steps[0][1]}
+
+
 def _parts(parts: dict[str, float]) -> str:
     return ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
 
@@ -96,16 +114,8 @@ def interference(args: argparse.Namespace) -> None:
         params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(streams):
             eng.add_request(f"s{i}", prompt_token_ids=p, params=params)
-        # Every stream prefilled first (many long streams take more steps than --warmup), then
-        # --warmup decode steps: the decode-only timings below must hold no prefill.
         eng.step()  # requests reach the scheduler at a step
-        while eng.scheduler.queued_prefill_tokens > 0:
-            eng.step()
-        for _ in range(args.warmup):
-            eng.step()
-        decode = [_timed_step(eng, acc) for _ in range(args.decode_steps)]
-        dms = sorted(1e3 * t for t, _, _ in decode)[len(decode) // 2]
-        dparts = {k: sorted(p.get(k, 0.0) for _, p, _ in decode)[len(decode) // 2] for k in decode[0][1]}
+        dms, dparts = _decode_medians(eng, acc, args)
         print(f"budget {budget}: decode-only step ({args.streams} streams): median {dms:.1f} ms [{_parts(dparts)}]")
         eng.add_request("long", prompt_token_ids=long_prompt, params=SamplingParams(max_tokens=1, temperature=0.0))
         mixed = []
@@ -141,6 +151,40 @@ def interference(args: argparse.Namespace) -> None:
               f"longest gap a stream sees {1e3 * worst:.0f} ms (decode-only {dms:.1f} ms)")
 
 
+def shared_decode(args: argparse.Namespace) -> None:
+    """Decode-only steps of --streams sequences opening on 1, 2, 4 or --streams shared 1,024-token
+    prompts (a chat fleet's system prompts) plus 100-400 tokens of their own, with the bf16 decode
+    attention on the vector kernel and on AMX tiles (where the CPU has AMX-BF16), alternating."""
+    import functools
+
+    from kvmesh.engine.kernels import cpu_native as nat
+    from kvmesh.engine.model.loader import load_model
+
+    loaded = load_model("default", getattr(torch, args.dtype))
+    step_cpu = nat.decode_step_cpu
+    for prefixes in sorted({1, 2, 4, args.streams}):
+        for tiles in (False, True, False, True):
+            nat.decode_step_cpu = functools.partial(step_cpu, tiles=tiles)  # the backend binds it at build
+            eng = LLMEngine(EngineConfig(dtype=args.dtype, num_threads=args.threads),
+                            loaded=dataclasses.replace(loaded, weights=dict(loaded.weights)))
+            nat.decode_step_cpu = step_cpu
+            for t in eng.map_pools():
+                t.join()
+            acc: collections.Counter = collections.Counter()
+            instrument(eng, acc)
+            g = torch.Generator().manual_seed(0)
+            vocab = loaded.config.vocab_size
+            system = [torch.randint(100, vocab, (1024,), generator=g).tolist() for _ in range(prefixes)]
+            params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+            for i in range(args.streams):
+                own = torch.randint(100, vocab, (int(torch.randint(100, 400, (1,), generator=g)),), generator=g)
+                eng.add_request(f"s{i}", prompt_token_ids=system[i % prefixes] + own.tolist(), params=params)
+                eng.step()  # one at a time: the first of a prompt caches it for the rest
+            ms, parts = _decode_medians(eng, acc, args)
+            print(f"{args.streams} streams over {prefixes} shared prompt(s), {'AMX tiles' if tiles else 'vector'}: "
+                  f"decode-only step median {ms:.1f} ms [{_parts(parts)}]", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16")
@@ -149,6 +193,8 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--interference", action="store_true")
+    ap.add_argument("--shared-decode", action="store_true",
+                    help="decode steps over shared prompts, vector kernel against AMX tiles (bf16)")
     ap.add_argument("--streams", type=int, default=4, help="--interference: decoding sequences")
     ap.add_argument("--stream-prompt", type=int, default=1200, help="--interference: their prompt tokens")
     ap.add_argument("--long-prompt", type=int, default=1500, help="--interference: the arriving prompt")
@@ -156,6 +202,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.interference:
         interference(args)
+        return
+    if args.shared_decode:
+        shared_decode(args)
         return
     eng = LLMEngine(EngineConfig(dtype=args.dtype, num_threads=args.threads))
     acc: collections.Counter = collections.Counter()

@@ -66,6 +66,8 @@ class EngineConfig:
     while the pool keeps room for this many more tokens of every running request and of itself
     (0: while blocks last); ttft_slo_ms: waiting requests past this first-token target are
     admitted after those within it (0: first come, first served); both in engine/scheduler.py.
+    admission_tpot_ms: while requests run, at most one is admitted per step, and none while the
+    recent steps that carried decodes averaged this long or longer (0: off; engine/tpot_gate.py).
     """
 
     model: str = "default"  # the CLI's --model/--model-path/--config resolve to this (server/cli.py)
@@ -109,6 +111,11 @@ class EngineConfig:
                                       "many ms of arrival before those already past it, so that under overload "
                                       "more requests meet the target and those past it wait longer "
                                       "(engine/scheduler.py; 0: first come, first served, the default)")
+    admission_tpot_ms: float = setting(0.0, "--admission-tpot-ms", group=KV, type=float,
+                                       help="while requests run, admit at most one new request per step, and none "
+                                            "while the recent steps that carried decodes (a stream's time per "
+                                            "output token) averaged this many ms or more; set it some way below "
+                                            "the TPOT target, e.g. 75%% of it (engine/tpot_gate.py; 0: off, the default)")
     attention_backend: str = setting("auto", "--attention-backend", group=MODEL,
                                      choices=("auto", "torch", "triton"), help="attention kernels (default: %(default)s)")
     cuda_graphs: bool = True
@@ -176,6 +183,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not self.ttft_slo_ms >= 0:  # also refuses NaN
             raise ConfigError(f"ttft_slo_ms must be >= 0 (0: first come, first served), got {self.ttft_slo_ms}")
+        if not self.admission_tpot_ms >= 0:  # also refuses NaN
+            raise ConfigError(f"admission_tpot_ms must be >= 0 (0: no gate), got {self.admission_tpot_ms}")
         if not self.tpot_slo_ms >= 0:  # also refuses NaN
             raise ConfigError(f"tpot_slo_ms must be >= 0 (0: no pacing), got {self.tpot_slo_ms}")
         if self.attention_backend not in ("auto", "torch", "triton"):

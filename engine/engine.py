@@ -45,6 +45,7 @@ from kvmesh.engine.roles import DecodeClaim, Handoff, PrefillHandoff
 from kvmesh.engine.step_commands import Abort, Add, Call, Claim, StepCommand
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.prefill_pacer import PrefillPacer
+from kvmesh.engine.tpot_gate import TpotGate
 from kvmesh.engine.sampling import InvalidSamplingParams, SamplingParams
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.stream import RequestStream
@@ -246,10 +247,12 @@ class LLMEngine:
             self.state_slots.write_through = ckpts is not None and self.tiers is not None \
                 and self.tiers.remote is not None
         self.pacer = PrefillPacer(cfg.tpot_slo_ms / 1e3) if cfg.tpot_slo_ms > 0 else None
+        self.gate = TpotGate(cfg.admission_tpot_ms / 1e3) if cfg.admission_tpot_ms > 0 else None
+        self._gate_mark: tuple[float, int] | None = None  # (start, decodes) of the last step, for the gate
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, tiers=self.tiers, states=self.state_slots,
                                    pacer=self.pacer, reserve_tokens=cfg.admission_reserve_tokens,
-                                   ttft_slo_s=cfg.ttft_slo_ms / 1e3)
+                                   ttft_slo_s=cfg.ttft_slo_ms / 1e3, gate=self.gate)
         self.prefill = PrefillRole(self.kv, self.runner.kv_cache, cfg.kv_transfer_timeout,
                                    weak_method(self._on_step_thread), states=self.runner.states)
         """The prefill side of handoffs (engine/disagg/prefill_side.py); a hybrid model's final part
@@ -533,6 +536,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        started = time.monotonic()
+        if self.gate is not None and self._gate_mark is not None:
+            # What the last step's streams waited for their next token: its whole step (scheduling,
+            # the forward pass, sampling, outputs) and anything between it and this one.
+            self.gate.observe(self._gate_mark[1], started - self._gate_mark[0])
+            self._gate_mark = None
         self._drain_commands(outputs)
         if self.has_timers():
             self._expire(time.monotonic())
@@ -543,6 +552,7 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         self._num_steps += 1
+        self._gate_mark = (started, sched.num_decodes)
         now = time.monotonic()
         for s in sched.seqs:
             if s.request.metrics.first_scheduled_time is None:

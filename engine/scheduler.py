@@ -38,6 +38,10 @@ A prefill-role request whose KV streams to its decode engine chunk by chunk
 before the tail is computed, and pushed, one step before the first token, so what is left to
 push after it is the tail alone.
 
+With a ``TpotGate`` (``--admission-tpot-ms``, engine/tpot_gate.py), waiting requests are admitted
+one per step while others run, and not at all while the recent steps that carried decodes averaged
+at or above its target; transferred requests (below) are not gated.
+
 With a ``PrefillPacer`` (``--tpot-slo-ms``) and chunked prefill, the prompt tokens of a step that
 carries decodes are cut to what the decoding streams' TPOT slack allows (at least the pacer's
 floor, so every prompt advances); the engine passes the step's start time to ``schedule``.
@@ -58,6 +62,7 @@ from kvmesh.engine.kv.hybrid_state import HybridStateManager
 from kvmesh.engine.kv.tiers import KVTiers
 from kvmesh.engine.prefill_pacer import PrefillPacer
 from kvmesh.engine.request import Request, RequestStatus
+from kvmesh.engine.tpot_gate import TpotGate
 
 
 def chunk_tokens(computed: int, total: int, budget: int, block_size: int = 1, tail: int = 0) -> int:
@@ -113,6 +118,7 @@ class Scheduler:
         pacer: PrefillPacer | None = None,
         reserve_tokens: int = 0,
         ttft_slo_s: float = 0.0,
+        gate: TpotGate | None = None,
     ) -> None:
         if reserve_tokens < 0:
             raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
@@ -121,6 +127,7 @@ class Scheduler:
         self.kv = kv
         self.reserve_tokens = reserve_tokens
         self.ttft_slo_s = ttft_slo_s
+        self.gate = gate
         self.pacer = pacer if enable_chunked_prefill else None
         self.tiers = tiers
         # Hybrid models: a running request holds a recurrent-state slot (admission to finish or
@@ -311,8 +318,10 @@ class Scheduler:
             # Only a queue to admit from needs the running requests' reserve.
             reserve = (sum(self._reserve_blocks(r, self.kv.num_held_blocks(r.request_id)) for r in self.running)
                        if self.reserve_tokens and self._num_waiting else 0)
+            admitted = 0
             while (budget > 0 and len(self.running) < self.max_num_seqs
-                   and (prefill_left is None or prefill_left > 0)):
+                   and (prefill_left is None or prefill_left > 0)
+                   and (self.gate is None or self.gate.admits(len(self.running), admitted))):
                 req = self._peek_waiting(now)
                 if req is None:
                     break
@@ -375,6 +384,7 @@ class Scheduler:
                 # The primary tier's own counters: hits there only (lower tiers count their own).
                 self.kv.record_prefix_lookup(req.num_tokens, num_computed, preempted=not first_admission)
                 self.running.append(req)
+                admitted += 1
                 reserve += own
                 scheduled.append(ScheduledSeq(req, num_new, num_computed + num_loaded))
                 budget -= num_new

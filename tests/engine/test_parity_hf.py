@@ -192,6 +192,16 @@ def test_ttft_first_admission(loaded, prompts, hf_reference):
     print(f"TTFT-first admission: near ties {ties}")
 
 
+def test_tpot_gated_admission(loaded, prompts, hf_reference):
+    """A 1 microsecond TPOT gate: after the first step every stream is too slow for it, so requests
+    join one at a time as others finish (the gate's rules: tests/engine/test_tpot_gate.py)."""
+    llm = _engine(loaded, admission_tpot_ms=0.001)
+    results = llm.generate(prompts, _params())
+    ties = _compare(results, hf_reference)
+    assert llm.engine.gate.step_s is not None
+    print(f"TPOT-gated admission: near ties {ties}")
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_block_sizes_with_prefix_hits(loaded, prompts, hf_reference, block_size):
     llm = _engine(loaded, block_size=block_size, max_num_batched_tokens=64)
