@@ -292,41 +292,34 @@ static int common_prefix(const int32_t *block_tables, int64_t bt_stride, const i
     return common / 32 * 32;
 }
 
-static int cmp_key(const void *a, const void *b) {
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x > y) - (x < y);
-}
-
 int kvmesh_decode_attention_bf16_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                                      uint16_t *out, int B, int Hq, int Hkv, int D, int block_size, int64_t sb,
                                      int64_t ss, int64_t sh, float scale, int num_threads, int group_prefixes) {
     const int G = Hkv > 0 ? Hq / Hkv : 0;
     if (B < 1 || G < 1 || G > 16 || Hq != G * Hkv || (D != 64 && D != 128) || block_size % 16 != 0
-        || B >= (1 << 24) || !amx_permitted())
+        || !amx_permitted())
         return -1;
     for (int b = 0; b < B; b++)
         if (seq_lens[b] < 0) return -1;
-    /* Subgroups: sequences sorted by their first block (ties in batch order), cut every 16 / G
-     * members; each member alone without group_prefixes. */
+    /* Subgroups: sequences in prefix-grouped order, cut where the first block changes and every
+     * 16 / G members; each member alone without group_prefixes. */
     const int per = group_prefixes ? 16 / G : 1;
-    int64_t *keys = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
-    int *order = (int *)malloc(sizeof(int) * (size_t)B), *start = (int *)malloc(sizeof(int) * ((size_t)B + 1));
-    int *shared = (int *)malloc(sizeof(int) * (size_t)B);
-    if (!keys || !order || !start || !shared) {
-        free(keys), free(order), free(start), free(shared);
+    int *grouped = per > 1 ? kvmesh_prefix_grouped_order(block_tables, bt_stride, B) : NULL;
+    int *order = grouped ? grouped : (int *)malloc(sizeof(int) * (size_t)B);
+    int *start = (int *)malloc(sizeof(int) * ((size_t)B + 1)), *shared = (int *)malloc(sizeof(int) * (size_t)B);
+    if (!order || !start || !shared) {
+        free(order), free(start), free(shared);
         return -1;
     }
-    for (int b = 0; b < B; b++)
-        keys[b] = ((int64_t)(seq_lens[b] > 0 ? (uint32_t)block_tables[(int64_t)b * bt_stride] : 0xffffffffu) << 24)
-                  | b;
-    qsort(keys, (size_t)B, sizeof(int64_t), cmp_key);
-    for (int b = 0; b < B; b++) order[b] = (int)(keys[b] & ((1 << 24) - 1));
+    if (!grouped)
+        for (int b = 0; b < B; b++) order[b] = b;
     int ngroups = 0;
     int64_t max_pos = 32;
     for (int i = 0; i < B;) {
+        const int32_t first = block_tables[(int64_t)order[i] * bt_stride];
         int j = i + 1;
-        while (j < B && j - i < per && (keys[j] >> 24) == (keys[i] >> 24) && seq_lens[order[i]] > 0) j++;
+        while (j < B && j - i < per && block_tables[(int64_t)order[j] * bt_stride] == first) j++;
         const int common = common_prefix(block_tables, bt_stride, seq_lens, order + i, j - i, block_size);
         int64_t npos = common;
         for (int m = i; m < j; m++) npos += ((int64_t)(seq_lens[order[m]] - common) + 31) / 32 * 32;
@@ -373,7 +366,7 @@ int kvmesh_decode_attention_bf16_amx(const uint16_t *q, const uint16_t *k, const
         free(st);
         free(pa);
     }
-    free(keys), free(order), free(start), free(shared);
+    free(order), free(start), free(shared);
     return failed ? -1 : 0;
 }
 

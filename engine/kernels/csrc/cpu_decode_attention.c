@@ -53,7 +53,7 @@ static int cmp_i64(const void *a, const void *b) {
  * then read from memory by the first of them and from cache by the rest (the interleaved order a
  * scheduler produces evicts them in between). Each sequence's result does not depend on the order.
  * NULL (batch order) for batches too large for the sort key or without memory for it. */
-static int *prefix_grouped_order(const int32_t *block_tables, int64_t bt_stride, int B) {
+int *kvmesh_prefix_grouped_order(const int32_t *block_tables, int64_t bt_stride, int B) {
     if (B < 2 || B >= (1 << 24)) return NULL;
     int64_t *keys = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
     int *order = (int *)malloc(sizeof(int) * (size_t)B);
@@ -83,7 +83,7 @@ static void run_decode_items(decode_item_fn item, size_t elem, size_t pb_elem, c
     const int64_t items = (int64_t)B * items_per_seq;
     int max_len = 1;
     for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    int *order = group_prefixes ? prefix_grouped_order(block_tables, bt_stride, B) : NULL;
+    int *order = group_prefixes ? kvmesh_prefix_grouped_order(block_tables, bt_stride, B) : NULL;
 #pragma omp parallel num_threads(num_threads)
     {
         float *sc = (float *)malloc(sizeof(float) * (size_t)heads_per_item * G * max_len);

@@ -48,6 +48,10 @@ static inline float round_bf(float f) { return bf2f(f2bf(f)); }
 #include <immintrin.h>
 #define KVMESH_HAVE_AVX512F 1
 
+/* The order to run a batch's sequences in, grouped by first KV block (cpu_decode_attention.c);
+ * malloc'd, or NULL (batch order) for fewer than 2 or too many sequences, or without memory. */
+int *kvmesh_prefix_grouped_order(const int32_t *block_tables, int64_t bt_stride, int B);
+
 /* Lanes [0, n) of 16, n <= 16. */
 static inline __mmask16 mask16(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
 
