@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("cpu_decode_attention.c", "cpu_decode_amx.c", "cpu_extend_attention.c", "cpu_elementwise.c",
-            "cpu_bitmask.c", "cpu_qlinear.c")
+            "cpu_bitmask.c", "cpu_qlinear.c", "cpu_amx.c")
 _HEADERS = ("kvmesh_cpu.h",)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 _lock = threading.Lock()
@@ -75,11 +75,14 @@ _SIGNATURES = {  # C prototypes; keep in step with csrc/
     "kvmesh_apply_bitmask_u32": [_P, _I64, _P, _I64, _P, _I64, _I64],
     "kvmesh_qlinear_f32": [_P, _I64, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _I],
     "kvmesh_dequant_rows_f32": [_P, _P, _P, _I, _P, _I, _I],
+    "kvmesh_qlinear_bf16_amx": [_P, _I64, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _I],
+    "kvmesh_dequant_rows_bf16": [_P, _P, _P, _I, _P, _I, _I],
 }
 _RETURNS = {"kvmesh_decode_attention_bf16_amx": ctypes.c_int,
             "kvmesh_extend_attention_bf16": ctypes.c_int, "kvmesh_extend_attention_f32": ctypes.c_int,
             "kvmesh_decode_step_bf16": ctypes.c_int, "kvmesh_qlinear_f32": ctypes.c_int,
-            "kvmesh_dequant_rows_f32": ctypes.c_int}
+            "kvmesh_dequant_rows_f32": ctypes.c_int, "kvmesh_qlinear_bf16_amx": ctypes.c_int,
+            "kvmesh_dequant_rows_bf16": ctypes.c_int}
 
 
 def _cache_dir() -> Path:

@@ -13,7 +13,7 @@ as gguf's reference dequantizer rounds them, with ``q`` unpacked from ``qs[n, b]
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,35 +81,56 @@ class QuantRows:
         return QuantRows(parts[0].kind, torch.cat([p.scale for p in parts]), minv, torch.cat([p.qs for p in parts]))
 
 
-def dequantize(q: QuantRows) -> torch.Tensor | None:
-    """The fp32 ``[rows, cols]`` matrix, dequantized by the native kernel's own code (None
-    without the native library or AVX512F)."""
+_DEQUANT = {torch.float32: "kvmesh_dequant_rows_f32", torch.bfloat16: "kvmesh_dequant_rows_bf16"}
+_QLINEAR = {torch.float32: "kvmesh_qlinear_f32", torch.bfloat16: "kvmesh_qlinear_bf16_amx"}
+MAX_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 64}
+"""Rows of x each kernel takes at most (bf16: four tile accumulators of 16 rows)."""
+
+
+def dequantize(q: QuantRows, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """The ``[rows, cols]`` matrix in ``dtype`` (fp32, or bf16 rounded from it to nearest even),
+    dequantized by the native kernel's own code (None without the native library, or for bf16
+    without AMX-BF16: the only kernel that multiplies bf16 from blocks runs on its tiles)."""
     from kvmesh.engine.kernels.cpu_native import load_library
 
     lib = load_library()
-    if lib is None:
+    if lib is None or dtype not in _DEQUANT:
         return None
-    out = torch.empty(q.rows, q.cols, dtype=torch.float32)
+    out = torch.empty(q.rows, q.cols, dtype=dtype)
     minv = q.minv if q.minv is not None else q.scale
-    rc = lib.kvmesh_dequant_rows_f32(q.scale.data_ptr(), minv.data_ptr(), q.qs.data_ptr(), q.kind, out.data_ptr(),
-                                     q.rows, q.cols)
+    rc = getattr(lib, _DEQUANT[dtype])(q.scale.data_ptr(), minv.data_ptr(), q.qs.data_ptr(), q.kind,
+                                       out.data_ptr(), q.rows, q.cols)
     return out if rc == 0 else None
 
 
 def qlinear(x: torch.Tensor, q: QuantRows) -> torch.Tensor | None:
-    """``x @ W.T`` for fp32 CPU ``x`` ``[M, cols]`` (unit column stride), or None when the native
-    kernel cannot take it (the caller then uses its dense path)."""
+    """``x @ W.T`` in x's dtype for fp32 or bf16 CPU ``x`` ``[M, cols]`` (unit column stride; bf16:
+    M <= 64), or None when the native kernel cannot take it (the caller then uses its dense path)."""
+    fn = product(q)
+    return None if fn is None else fn(x)
+
+
+def product(q: QuantRows) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+    """``qlinear`` bound to ``q`` (None without the native library): the kernel and the blocks'
+    addresses looked up once, since a decode step calls it for every weight of the model."""
     from kvmesh.engine.kernels.cpu_native import load_library
 
-    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != q.cols \
-            or x.stride(1) != 1:
-        return None
     lib = load_library()
     if lib is None:
         return None
-    out = torch.empty(x.shape[0], q.rows, dtype=torch.float32)
-    minv = q.minv if q.minv is not None else q.scale
-    rc = lib.kvmesh_qlinear_f32(x.data_ptr(), x.stride(0), q.scale.data_ptr(), minv.data_ptr(), q.qs.data_ptr(),
-                                q.kind, out.data_ptr(), out.stride(0), x.shape[0], q.rows, q.cols,
-                                torch.get_num_threads())
-    return out if rc == 0 else None
+    kernels = {dtype: getattr(lib, name) for dtype, name in _QLINEAR.items()}
+    blocks = (q.scale.data_ptr(), (q.minv if q.minv is not None else q.scale).data_ptr(), q.qs.data_ptr())
+    rows, cols = q.rows, q.cols
+
+    def run(x: torch.Tensor) -> torch.Tensor | None:
+        kernel = kernels.get(x.dtype)
+        if kernel is None or x.dim() != 2 or x.device.type != "cpu" or x.shape[1] != cols or x.stride(1) != 1 \
+                or x.shape[0] > MAX_ROWS[x.dtype]:
+            return None
+        out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+        # q itself (not only its addresses) in the closure: it keeps the blocks' memory alive.
+        rc = kernel(x.data_ptr(), x.stride(0), *blocks, q.kind, out.data_ptr(), rows, x.shape[0], rows, cols,
+                    torch.get_num_threads())
+        return out if rc == 0 else None
+
+    return run

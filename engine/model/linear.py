@@ -9,10 +9,11 @@ so it is used only when it exists and reproduces F.linear on a probe in the
 model's dtype; the fp32 parity tests hold it to transformers' tokens.
 
 A weight that came block-quantized from a GGUF file (kernels/quant_rows.py) is multiplied
-from those blocks when x has at most ``QUANT_MAX_ROWS`` rows: a decode step streams every
-weight once for a few rows, and 4.5 bits a weight stream several times faster than 32
-(bench/qlinear.py). The blocks are used only if the native kernel dequantizes them to the
-loaded fp32 weight bit for bit, checked once per weight.
+from those blocks when x has at most ``QUANT_MAX_ROWS[dtype]`` rows: a decode step streams
+every weight once for a few rows, and 4.5 bits a weight stream several times faster than 32
+(bench/qlinear.py). In bf16 the product runs on AMX tiles, so only where the CPU has them.
+The blocks are used only if the native kernel dequantizes them to the loaded weight (fp32, or
+bf16 rounded from it) bit for bit, checked once per weight.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 _PACKED_DTYPES = {torch.bfloat16: 1e-2, torch.float32: 1e-5}  # dtype -> probe tolerance
-QUANT_MAX_ROWS = 16
-"""Rows up to which the block-quantized product beats oneDNN's fp32 GEMM (measured 2-2.7x faster
-at 1-8 rows, 1.35x at 16, on one core streaming every weight of the default model)."""
+QUANT_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 32}
+"""Rows up to which the block-quantized product beats oneDNN's GEMM on one core streaming every
+weight of the default model (bench/qlinear.py: fp32 2-2.7x faster at 1-8 rows, 1.35x at 16; bf16
+on tiles 1.1-1.2x up to 32 rows, slower at 64)."""
 
 
 def _packed_ok(dtype: torch.dtype) -> bool:
@@ -52,6 +54,7 @@ class LinearFactory:
     def __init__(self, device: torch.device, dtype: torch.dtype, batch_hint: int = 64) -> None:
         self.batch_hint = batch_hint
         self.quantized_bytes = 0  # weights multiplied from blocks for small batches
+        self._blocks_ok: dict[torch.dtype, bool] = {}
         self.pack = (device.type == "cpu" and dtype in _PACKED_DTYPES
                      and torch.backends.mkldnn.is_available() and _packed_ok(dtype))
 
@@ -64,24 +67,37 @@ class LinearFactory:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
             op = torch.ops.mkldnn._linear_pointwise
             dense = lambda x: op(x, packed, bias, "none", [], "")  # noqa: E731
-        if quant is None or not self.exact_blocks(weight, quant):
+        from_blocks = quant_rows.product(quant) if quant is not None and self.exact_blocks(weight, quant) else None
+        if from_blocks is None:
             return dense
+        max_rows = QUANT_MAX_ROWS[weight.dtype]
 
         def small_from_blocks(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[0] <= QUANT_MAX_ROWS:
-                y = quant_rows.qlinear(x, quant)
+            if x.shape[0] <= max_rows:
+                y = from_blocks(x)
                 if y is not None:
                     return y if bias is None else y.add_(bias)
             return dense(x)
 
-        self.quantized_bytes += quant.nbytes
+        self.quantized_bytes += quant.nbytes  # type: ignore[union-attr]
         return small_from_blocks
 
     def exact_blocks(self, weight: torch.Tensor, quant: QuantRows) -> bool:
-        """Whether ``quant`` can stand in for ``weight``: fp32 on CPU, and dequantized by the
-        native kernel to exactly ``weight`` (False without the kernel)."""
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" \
-                or tuple(weight.shape) != (quant.rows, quant.cols):
+        """Whether ``quant`` can stand in for ``weight``: fp32 or bf16 on CPU, a native kernel that
+        multiplies that dtype from blocks here, and the blocks dequantized by it to exactly
+        ``weight`` (False without the kernel)."""
+        if weight.dtype not in QUANT_MAX_ROWS or weight.device.type != "cpu" \
+                or tuple(weight.shape) != (quant.rows, quant.cols) or not self.blocks_multiply(weight.dtype):
             return False
-        w = quant_rows.dequantize(quant)
+        w = quant_rows.dequantize(quant, weight.dtype)
         return w is not None and torch.equal(w, weight)
+
+    def blocks_multiply(self, dtype: torch.dtype) -> bool:
+        """Whether the native kernel multiplies ``dtype`` from blocks on this machine (bf16 needs
+        AMX tiles and the permission to use them): one probe product, decided once per factory."""
+        if dtype not in self._blocks_ok:
+            q = QuantRows(quant_rows.KIND_Q8_0, torch.full((16, 1), 0.5), None,
+                          torch.ones(16, 1, 32, dtype=torch.uint8))
+            y = quant_rows.qlinear(torch.ones(1, 32, dtype=dtype), q)
+            self._blocks_ok[dtype] = y is not None and torch.equal(y, torch.full((1, 16), 16.0, dtype=dtype))
+        return self._blocks_ok[dtype]

@@ -118,7 +118,7 @@ class LlamaModel:
         )
         self.quantized_bytes = linear.quantized_bytes
         if linear.quantized_bytes:
-            log.info("small batches multiply from the file's quantized blocks (%.0f MB beside the fp32 weights)",
+            log.info("small batches multiply from the file's quantized blocks (%.0f MB beside the dense weights)",
                      linear.quantized_bytes / 1e6)
 
     @torch.inference_mode()

@@ -40,8 +40,8 @@ class LoadedModel:
     # Identity for KV block hashes: the name plus a digest of the weight files (fingerprint.py),
     # so checkpoints that share a name never share cached blocks.
     model_id: str = ""
-    # fp32 GGUF models: the file's block-quantized form of the Q4_1/Q8_0 weights, under the same
-    # names (kernels/quant_rows.py); the model reads them where that streams less memory.
+    # fp32 and bf16 GGUF models: the file's block-quantized form of the Q4_1/Q8_0 weights, under the
+    # same names (kernels/quant_rows.py); the model reads them where that streams less memory.
     quantized: dict[str, QuantRows] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -50,7 +50,7 @@ class LoadedModel:
 
 
 def _load_gguf_model(path: Path, dtype: torch.dtype, name: str | None) -> LoadedModel:
-    quantized: dict[str, QuantRows] | None = {} if dtype == torch.float32 else None
+    quantized: dict[str, QuantRows] | None = {} if dtype in (torch.float32, torch.bfloat16) else None
     config, weights = load_gguf(path, dtype, name=name, quantized=quantized)
     try:
         tokenizer = Tokenizer.from_gguf(path, extra_eos_ids=config.eos_token_ids)

@@ -30,67 +30,7 @@
 
 #include "kvmesh_cpu.h"
 
-#if defined(KVMESH_HAVE_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Linux hands out the tile registers' state only to a process that asked for it. 1: granted. */
-static int amx_permitted(void) {
-    static int state; /* 0 unknown, 1 granted, -1 refused */
-    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (s == 0) {
-        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
-    }
-    return s == 1;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Every tile 16 rows of 64 bytes: tile 0 the A operand (K rows or P), 1 the B operand (Q^T or V),
- * 2 the scores, 4-7 the output (64 dimensions at a time). */
-static void configure_tiles(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.colsb[i] = 64;
-        c.rows[i] = 16;
-    }
-    _tile_loadconfig(&c);
-}
-
-/* Transposes 16 vectors of 16 32-bit lanes in place: r[c] lane i <- r[i] lane c. */
-static inline void transpose16_epi32(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int a = 0; a < 4; a++) { /* u[4a + j], 128-bit lane k: rows 4a..4a+3 at column 4k + j */
-        u[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
-        u[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
-        u[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
-        u[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        __m512i v = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), w = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
-        __m512i x = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
-        __m512i y = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
-        r[j] = _mm512_shuffle_i32x4(v, x, 0x88);
-        r[8 + j] = _mm512_shuffle_i32x4(v, x, 0xdd);
-        r[4 + j] = _mm512_shuffle_i32x4(w, y, 0x88);
-        r[12 + j] = _mm512_shuffle_i32x4(w, y, 0xdd);
-    }
-}
-
+#if defined(KVMESH_HAVE_AVX512_BF16) && defined(KVMESH_HAVE_AMX)
 /* A run of tokens [t0, t1) read through one block table, for the rows in `lanes`. Every segment
  * starts at a multiple of 32 and takes whole 32-token blocks of positions in the scratch. */
 typedef struct {
@@ -169,7 +109,7 @@ static void softmax_tiles(const float *st, int64_t npos, __m512 vmax, uint16_t *
             /* lane r of w[i]: (bf16 e0[r], bf16 e1[r]), the pair of tokens 2i, 2i + 1 of row r */
             w[i] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         }
-        transpose16_epi32(w);
+        kvmesh_transpose16_epi32(w);
         for (int r = 0; r < 16; r++) _mm512_storeu_si512(pa + (p0 / 32) * 512 + r * 32, w[r]);
     }
     *vsum = sum;
@@ -298,7 +238,7 @@ int kvmesh_decode_attention_bf16_amx(const uint16_t *q, const uint16_t *k, const
                                      int64_t ss, int64_t sh, float scale, int num_threads, int group_prefixes) {
     const int G = Hkv > 0 ? Hq / Hkv : 0;
     if (B < 1 || G < 1 || G > 16 || Hq != G * Hkv || (D != 64 && D != 128) || block_size % 16 != 0
-        || !amx_permitted())
+        || !kvmesh_amx_permitted())
         return -1;
     for (int b = 0; b < B; b++)
         if (seq_lens[b] < 0) return -1;
@@ -337,14 +277,11 @@ int kvmesh_decode_attention_bf16_amx(const uint16_t *q, const uint16_t *k, const
         float *st = (float *)malloc(sizeof(float) * 16 * (size_t)max_pos);
         uint16_t *pa = (uint16_t *)malloc(sizeof(uint16_t) * 16 * (size_t)max_pos);
         const int ok = sc && st && pa;
-        /* The thread's tile configuration as another user (oneDNN's matmuls, in torch) left it:
-         * restored after, since such a user may skip reconfiguring a thread it configured last. */
-        tile_config before;
+        kvmesh_tile_config before; /* the thread's configuration, restored after */
         if (ok) {
             sc->st = st;
             sc->pa = pa;
-            _tile_storeconfig(&before);
-            configure_tiles();
+            kvmesh_amx_begin(&before);
         } else {
             __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
         }
@@ -358,10 +295,7 @@ int kvmesh_decode_attention_bf16_amx(const uint16_t *q, const uint16_t *k, const
             decode_item_amx(&c, q, block_tables, bt_stride, seq_lens, order + start[gi], start[gi + 1] - start[gi],
                             shared[gi], Hq, out, sc);
         }
-        if (ok && before.palette != 0)
-            _tile_loadconfig(&before);
-        else if (ok)
-            _tile_release();
+        if (ok) kvmesh_amx_end(&before);
         free(sc);
         free(st);
         free(pa);

@@ -15,6 +15,7 @@
  * j + 16 in its high nibble; Q8_0: 32 int8).
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kvmesh_cpu.h"
 
@@ -105,6 +106,174 @@ int kvmesh_dequant_rows_f32(const float *scale, const float *minv, const uint8_t
         _mm512_storeu_ps(out + i * QK, lo);
         _mm512_storeu_ps(out + i * QK + 16, hi);
     }
+    return 0;
+#else
+    (void)scale; (void)minv; (void)qs; (void)kind; (void)out; (void)N; (void)K;
+    return -1;
+#endif
+}
+
+/* ---- bf16 products on AMX tiles ----
+ *
+ * The model in bf16 holds W rounded to bf16 from the fp32 dequantized weight. Here each block is
+ * dequantized as above and rounded to bf16 (to nearest even: the value torch's conversion gives
+ * for every weight the caller checked with kvmesh_dequant_rows_bf16), then the tile unit
+ * multiplies: C^T [16 outputs x 16 rows of x] += W [16 outputs x 32 inputs] . x^T [32 inputs x 16
+ * rows] per block, accumulating in fp32. The dequantizing is paid once per weight whatever M is
+ * (up to 64 rows: four accumulators), so a decode step streams 6 bits a weight instead of 16. */
+#if defined(KVMESH_HAVE_AVX512_BF16) && defined(KVMESH_HAVE_AMX)
+#define QMAX_ROWS 64
+
+/* 32 weights of a block as bf16 into dst (64 bytes). A Q4_1 block has 16 values, d * k + m for
+ * k < 16: computed once (as dequant_block computes each) and looked up by the nibbles. */
+static inline void dequant_block_bf16(int kind, const uint8_t *q, float d, float m, uint16_t *dst) {
+    __m512 lo, hi;
+    if (kind == KIND_Q4_1) {
+        const __m512 k = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 table = _mm512_add_round_ps(_mm512_mul_round_ps(_mm512_set1_ps(d), k, RN), _mm512_set1_ps(m), RN);
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+        lo = _mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f)), table);
+        hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+    } else {
+        dequant_block(kind, q, d, m, &lo, &hi);
+    }
+    _mm512_store_si512((__m512i *)dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* x^T for tile loads: for row chunk c and block b, 16 pairs of inputs x 16 rows, as 32-bit
+ * (input 2p, input 2p + 1) pairs; rows past M are 0. */
+static void pack_xt(const uint16_t *x, int64_t xs, int M, int nb, uint32_t *xt) {
+    const int chunks = (M + 15) / 16;
+    memset(xt, 0, sizeof(uint32_t) * 256 * (size_t)chunks * nb);
+    for (int m = 0; m < M; m++) {
+        const uint16_t *row = x + (int64_t)m * xs;
+        uint32_t *dst = xt + (size_t)(m / 16) * nb * 256 + m % 16;
+        for (int p = 0; p < nb * 16; p++) memcpy(dst + (p / 16) * 256 + (p % 16) * 16, row + 2 * p, 4);
+    }
+}
+
+/* y[m][n0 .. n0 + 16) for the rows m of chunk c, from the accumulator tile stored in acc[16][16]
+ * (output-major), rounded to bf16. */
+static void store_outputs(const float *acc, int c, int M, uint16_t *y, int64_t ys, int n0) {
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512((const __m512i *)(acc + 16 * i));
+    kvmesh_transpose16_epi32(r);
+    for (int i = 0; i < 16 && c * 16 + i < M; i++)
+        _mm256_storeu_si256((__m256i *)(y + (int64_t)(c * 16 + i) * ys + n0),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[i])));
+}
+
+/* The 16 outputs [n0, n0 + 16) for every row; tiles 0-3 the accumulators of row chunks 0-3, 4 W,
+ * 5-7 x^T. */
+static void qlinear_tile(int kind, const float *scale, const float *minv, const uint8_t *qs, int nb,
+                         const uint32_t *xt, int chunks, int M, uint16_t *y, int64_t ys, int n0, uint16_t *wbuf,
+                         float *acc) {
+    const int qb = block_bytes(kind);
+    /* All of the tile's weights first: a tile load of data stored a moment before waits for the
+     * stores to leave the core, where a vector load would have them forwarded. */
+    for (int r = 0; r < 16; r++)
+        for (int b = 0; b < nb; b++) { /* in memory order: the rows of a tile are contiguous */
+            const int64_t i = (int64_t)(n0 + r) * nb + b;
+            dequant_block_bf16(kind, qs + i * qb, scale[i], kind == KIND_Q4_1 ? minv[i] : 0.f,
+                               wbuf + (size_t)b * 512 + 32 * r);
+        }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int b = 0; b < nb; b++) {
+        _tile_loadd(4, wbuf + (size_t)b * 512, 64);
+        const uint32_t *xb = xt + (size_t)b * 256;
+        const size_t chunk = (size_t)nb * 256;
+        _tile_loadd(5, xb, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (chunks > 1) {
+            _tile_loadd(6, xb + chunk, 64);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (chunks > 2) {
+            _tile_loadd(7, xb + 2 * chunk, 64);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (chunks > 3) {
+            _tile_loadd(5, xb + 3 * chunk, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, acc, 64);
+    store_outputs(acc, 0, M, y, ys, n0);
+    if (chunks > 1) {
+        _tile_stored(1, acc, 64);
+        store_outputs(acc, 1, M, y, ys, n0);
+    }
+    if (chunks > 2) {
+        _tile_stored(2, acc, 64);
+        store_outputs(acc, 2, M, y, ys, n0);
+    }
+    if (chunks > 3) {
+        _tile_stored(3, acc, 64);
+        store_outputs(acc, 3, M, y, ys, n0);
+    }
+}
+#endif
+
+/* y = x @ W^T for bf16 x [M, K] (M <= 64) into bf16 y, on AMX tiles. Returns 0 when done, -1 (y
+ * not to be used) without AMX-BF16 or its permission, where M, N % 16 or K % 32 do not fit, or
+ * without memory. */
+int kvmesh_qlinear_bf16_amx(const uint16_t *x, int64_t x_stride, const float *scale, const float *minv,
+                            const uint8_t *qs, int kind, uint16_t *y, int64_t y_stride, int M, int N, int K,
+                            int num_threads) {
+#if defined(KVMESH_HAVE_AVX512_BF16) && defined(KVMESH_HAVE_AMX)
+    if (M < 1 || M > QMAX_ROWS || N % 16 != 0 || K % QK != 0 || (kind != KIND_Q4_1 && kind != KIND_Q8_0)
+        || !kvmesh_amx_permitted())
+        return -1;
+    const int nb = K / QK, chunks = (M + 15) / 16;
+    uint32_t *xt = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * 256 * (size_t)chunks * nb);
+    if (!xt) return -1;
+    pack_xt(x, x_stride, M, nb, xt);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        uint16_t *wbuf = (uint16_t *)aligned_alloc(64, 1024 * (size_t)nb);
+        float *acc = (float *)aligned_alloc(64, 1024);
+        kvmesh_tile_config before;
+        const int ok = wbuf && acc;
+        if (ok) {
+            kvmesh_amx_begin(&before);
+        } else {
+            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < N / 16; t++)
+            if (ok) qlinear_tile(kind, scale, minv, qs, nb, xt, chunks, M, y, y_stride, 16 * t, wbuf, acc);
+        if (ok) kvmesh_amx_end(&before);
+        free(wbuf);
+        free(acc);
+    }
+    free(xt);
+    return failed ? -1 : 0;
+#else
+    (void)x; (void)x_stride; (void)scale; (void)minv; (void)qs; (void)kind; (void)y; (void)y_stride; (void)M;
+    (void)N; (void)K; (void)num_threads;
+    return -1;
+#endif
+}
+
+/* W rounded to bf16, [N, K], by the code kvmesh_qlinear_bf16_amx uses (so a caller can check it
+ * against the bf16 weight it loaded). Returns 0, or -1 where kvmesh_qlinear_bf16_amx cannot run
+ * (no AMX-BF16 in this build) or for a K or kind it refuses. */
+int kvmesh_dequant_rows_bf16(const float *scale, const float *minv, const uint8_t *qs, int kind, uint16_t *out,
+                             int N, int K) {
+#if defined(KVMESH_HAVE_AVX512_BF16) && defined(KVMESH_HAVE_AMX)
+    if (K % QK != 0 || (kind != KIND_Q4_1 && kind != KIND_Q8_0)) return -1;
+    const int nb = K / QK, qb = block_bytes(kind);
+    uint16_t *tmp = (uint16_t *)aligned_alloc(64, 64);
+    if (!tmp) return -1;
+    for (int64_t i = 0; i < (int64_t)N * nb; i++) {
+        dequant_block_bf16(kind, qs + i * qb, scale[i], kind == KIND_Q4_1 ? minv[i] : 0.f, tmp);
+        memcpy(out + i * QK, tmp, 64);
+    }
+    free(tmp);
     return 0;
 #else
     (void)scale; (void)minv; (void)qs; (void)kind; (void)out; (void)N; (void)K;

@@ -106,6 +106,48 @@ static inline __m512 round16(__m512 x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
 }
 #endif /* AVX512-BF16 */
+/* Transposes 16 vectors of 16 32-bit lanes in place: r[c] lane i <- r[i] lane c. */
+static inline void kvmesh_transpose16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int a = 0; a < 4; a++) { /* u[4a + j], 128-bit lane k: rows 4a..4a+3 at column 4k + j */
+        u[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+        u[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512i v = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), w = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
+        __m512i x = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        __m512i y = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
+        r[j] = _mm512_shuffle_i32x4(v, x, 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(v, x, 0xdd);
+        r[4 + j] = _mm512_shuffle_i32x4(w, y, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(w, y, 0xdd);
+    }
+}
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KVMESH_HAVE_AMX 1
+
+/* The tile unit's configuration (palette 1), as _tile_loadconfig / _tile_storeconfig read it. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} kvmesh_tile_config;
+
+/* Linux hands out the tile registers' state only to a process that asked for it (cpu_amx.c);
+ * 1 once granted, 0 where refused. */
+int kvmesh_amx_permitted(void);
+/* Saves this thread's tile configuration in *saved and makes every tile 16 rows of 64 bytes;
+ * kvmesh_amx_end restores it (another user, oneDNN's matmuls in torch, may skip reconfiguring
+ * a thread it configured last) or releases the tiles if there was none. */
+void kvmesh_amx_begin(kvmesh_tile_config *saved);
+void kvmesh_amx_end(const kvmesh_tile_config *saved);
+#endif /* AMX */
 #endif /* AVX512F */
 
 #endif
