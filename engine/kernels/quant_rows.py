@@ -1,10 +1,10 @@
 """A weight matrix kept in the block-quantized form a GGUF file stores it in (Q4_1 or Q8_0).
 
-The model runs in fp32 on weights gguf dequantizes once at load; a decode step, which
+The model runs in fp32 or bf16 on weights gguf dequantizes once at load; a decode step, which
 multiplies a few rows by every weight, spends its time streaming those weights from memory.
 `QuantRows` keeps the file's blocks beside them so the native kernel (csrc/cpu_qlinear.c)
-can stream 4.5 or 8.5 bits per weight instead of 32 and dequantize in registers, to the same
-fp32 values.
+can stream 4.5 or 8.5 bits per weight instead of 32 or 16 and dequantize in registers, to the
+same fp32 values (or those rounded to bf16, for the bf16 product on AMX tiles).
 
 Invariant: row n of the matrix is ``scale[n, b] * q + minv[n, b]`` (Q4_1) or
 ``q * scale[n, b]`` (Q8_0) over blocks b of 32 columns, each product and sum rounded to fp32
@@ -83,8 +83,8 @@ class QuantRows:
 
 _DEQUANT = {torch.float32: "kvmesh_dequant_rows_f32", torch.bfloat16: "kvmesh_dequant_rows_bf16"}
 _QLINEAR = {torch.float32: "kvmesh_qlinear_f32", torch.bfloat16: "kvmesh_qlinear_bf16_amx"}
-MAX_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 64}
-"""Rows of x each kernel takes at most (bf16: four tile accumulators of 16 rows)."""
+MAX_ROWS = {torch.bfloat16: 64}
+"""Rows of x a kernel takes at most, where it has a limit (bf16: four tile accumulators of 16 rows)."""
 
 
 def dequantize(q: QuantRows, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
@@ -125,7 +125,7 @@ def product(q: QuantRows) -> Callable[[torch.Tensor], torch.Tensor | None] | Non
     def run(x: torch.Tensor) -> torch.Tensor | None:
         kernel = kernels.get(x.dtype)
         if kernel is None or x.dim() != 2 or x.device.type != "cpu" or x.shape[1] != cols or x.stride(1) != 1 \
-                or x.shape[0] > MAX_ROWS[x.dtype]:
+                or x.shape[0] > MAX_ROWS.get(x.dtype, x.shape[0]):
             return None
         out = torch.empty(x.shape[0], rows, dtype=x.dtype)
         # q itself (not only its addresses) in the closure: it keeps the blocks' memory alive.
