@@ -270,12 +270,23 @@ def _slo() -> dict[str, Any]:
             "ttftMs": integer("Time to first token, milliseconds."),
             "tpotMs": integer("Time per output token, milliseconds."),
             "percentile": number("Percentile the objectives apply to.", s.DEFAULT_PERCENTILE),
+            "admission": string(
+                "How the engines admit waiting requests. FirstCome: in arrival order. TTFTFirst: those "
+                "that can still get their first token within ttftMs go first. TPOTGated: TTFTFirst, and "
+                "while requests run at most one admission per step and none while the running streams' "
+                "time per token averages 75% of tpotMs or more (TTFT rises instead of TPOT under "
+                "overload; docs/operator.md).",
+                s.DEFAULT_ADMISSION, enum=list(s.ADMISSIONS)),
         },
         default={},
         **{
             "x-kubernetes-validations": [
                 rule("!has(self.ttftMs) || self.ttftMs > 0", "slo.ttftMs must be positive"),
                 rule("!has(self.tpotMs) || self.tpotMs > 0", "slo.tpotMs must be positive"),
+                rule("!has(self.admission) || self.admission == 'FirstCome' || has(self.ttftMs)",
+                     "slo.admission TTFTFirst and TPOTGated need slo.ttftMs"),
+                rule("!has(self.admission) || self.admission != 'TPOTGated' || has(self.tpotMs)",
+                     "slo.admission TPOTGated needs slo.tpotMs"),
                 rule(
                     "self.percentile > 0.0 && self.percentile <= 100.0",
                     "slo.percentile must be in (0, 100]",

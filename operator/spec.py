@@ -43,6 +43,11 @@ MODEL_FORMATS = ("Auto", "GGUF", "Safetensors")
 # picks what each engine's node computes natively (engine/dtype_choice.py).
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# How the engines admit waiting requests against spec.slo (docs/operator.md): in arrival order; the
+# ones that can still meet ttftMs first (`kvmesh serve --ttft-slo-ms`); or that, and no admission
+# while the streams' time per token is near tpotMs (`--admission-tpot-ms`, engine/tpot_gate.py).
+ADMISSIONS = ("FirstCome", "TTFTFirst", "TPOTGated")
+DEFAULT_ADMISSION = "FirstCome"
 
 DEFAULT_IMAGE = "kvmesh/kvmesh:0.1.0"
 DEFAULT_PULL_POLICY = "IfNotPresent"
@@ -143,6 +148,7 @@ class Slo:
     ttft_ms: int | None = None
     tpot_ms: int | None = None
     percentile: float = DEFAULT_PERCENTILE
+    admission: str = DEFAULT_ADMISSION
 
 
 @dataclass(frozen=True)
@@ -390,6 +396,18 @@ def _client_auth(raw: Any) -> ClientAuth:
                       or DEFAULT_API_KEYS_KEY, isolate)
 
 
+def _admission(slo: Mapping[str, Any]) -> str:
+    admission = _text(slo.get("admission"), "spec.slo.admission", DEFAULT_ADMISSION)
+    if admission not in ADMISSIONS:
+        raise SpecError(f"spec.slo.admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
+    needs = {"TTFTFirst": ("ttftMs",), "TPOTGated": ("ttftMs", "tpotMs")}.get(admission, ())
+    missing = [f"spec.slo.{k}" for k in needs if slo.get(k) is None]
+    if missing:
+        raise SpecError(f"spec.slo.admission {admission} admits against {' and '.join(missing)}: set "
+                        f"{'them' if len(missing) > 1 else 'it'}, or set admission to FirstCome")
+    return admission
+
+
 def _gateway(router: Any) -> Gateway:
     r = _obj(router, "spec.router")
     mode = _text(r.get("mode"), "spec.router.mode", DEFAULT_ROUTER_MODE)
@@ -446,6 +464,7 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceSpec:
             ttft_ms=_number(slo.get("ttftMs"), "spec.slo.ttftMs", None, 0.0, math.inf, keep_int=True),
             tpot_ms=_number(slo.get("tpotMs"), "spec.slo.tpotMs", None, 0.0, math.inf, keep_int=True),
             percentile=_number(slo.get("percentile"), "spec.slo.percentile", DEFAULT_PERCENTILE, 0.0, 100.0),
+            admission=_admission(slo),
         ),
         autoscaling=Autoscaling(
             enabled=_flag(auto.get("enabled"), "spec.autoscaling.enabled"),

@@ -32,6 +32,8 @@ class EngineLine:
     drain_timeout_s: int | None = None
     state_checkpoint_interval: int | None = None  # hybrid models' recurrent-state checkpoints
     state_checkpoint_bytes: int | None = None
+    ttft_slo_ms: float | None = None  # TTFT-first admission (engine/scheduler.py)
+    admission_tpot_ms: float | None = None  # the TPOT gate (engine/tpot_gate.py)
     config: str | None = None
     auth_token_file: str | None = None  # the deployment's internal token (a file: never on a command line)
     api_key_files: tuple[str, ...] = ()  # client keys, where clients reach the engine directly (a gateway)
@@ -91,6 +93,7 @@ def serve_args(e: EngineLine) -> list[str]:
             *_opt("--drain-timeout", e.drain_timeout_s),
             *_opt("--state-checkpoint-interval", e.state_checkpoint_interval),
             *_opt("--state-checkpoint-bytes", e.state_checkpoint_bytes),
+            *_opt("--ttft-slo-ms", e.ttft_slo_ms), *_opt("--admission-tpot-ms", e.admission_tpot_ms),
             "--host", e.host, "--port", str(e.port), *_opt("--config", e.config),
             *_opt("--auth-token-file", e.auth_token_file),
             *(a for f in e.api_key_files for a in ("--api-key-file", f)), *e.extra]

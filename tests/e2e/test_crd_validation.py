@@ -46,6 +46,7 @@ def test_minimal_valid_spec_is_accepted_and_defaulted(cluster, crd_installed, na
     assert spec["decode"]["resources"]["gpus"] == 1
     assert spec["cache"]["memory"] == "8Gi"
     assert spec["slo"]["percentile"] == 95
+    assert spec["slo"]["admission"] == "FirstCome"
     assert spec["model"]["source"]["type"] == "Embedded"
     assert spec["autoscaling"]["enabled"] is False
     assert spec["model"]["dtype"] == "auto"
@@ -62,6 +63,11 @@ def test_minimal_valid_spec_is_accepted_and_defaulted(cluster, crd_installed, na
     ("zero-ttft", edited(slo__ttftMs=0), "slo.ttftMs must be positive"),
     ("negative-tpot", edited(slo__tpotMs=-5), "slo.tpotMs must be positive"),
     ("percentile", edited(slo__percentile=150), "slo.percentile must be in (0, 100]"),
+    ("ttft-first-without-target", edited(slo={"admission": "TTFTFirst"}),
+     "slo.admission TTFTFirst and TPOTGated need slo.ttftMs"),
+    ("gated-without-tpot", edited(slo={"admission": "TPOTGated", "ttftMs": 1000}),
+     "slo.admission TPOTGated needs slo.tpotMs"),
+    ("bad-admission", edited(slo__admission="fifo"), "Unsupported value: \"fifo\""),
     ("negative-replicas", edited(cache__replicas=-1), "replicas must not be negative"),
     ("no-decode", edited(decode__replicas=0),
      "decode.replicas must be at least 1 while prefill.replicas > 0"),

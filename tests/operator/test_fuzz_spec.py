@@ -17,7 +17,8 @@ from tests.support.crs import MINIMAL_SPEC, make_cr
 # is narrower; the operator must not depend on it: CRD validation can be off or older).
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=False)
-    | st.text(max_size=12) | st.sampled_from(["", "0", "-1", "1Gi", "8GiB", "auto", "bfloat16", "x" * 300]),
+    | st.text(max_size=12) | st.sampled_from(["", "0", "-1", "1Gi", "8GiB", "auto", "bfloat16", "x" * 300,
+                                              "TTFTFirst", "TPOTGated"]),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=8)
 
@@ -28,7 +29,8 @@ FIELDS = [
     ("model", "source", "volume", "persistentVolumeClaim"), ("model", "source", "volume", "hostPath"),
     ("model", "source", "volume", "persistentVolumeClaim", "claimName"), ("model", "source", "volume", "path"),
     ("model", "source", "volume", "hostPath", "path"), ("image",), ("imagePullPolicy",), ("slo",),
-    ("slo", "ttftMs"), ("slo", "tpotMs"), ("slo", "percentile"), ("autoscaling",), ("autoscaling", "enabled"),
+    ("slo", "ttftMs"), ("slo", "tpotMs"), ("slo", "percentile"), ("slo", "admission"), ("autoscaling",),
+    ("autoscaling", "enabled"),
     ("autoscaling", "kvOccupancyTarget"), ("autoscaling", "scaleUpStabilizationSeconds"),
     ("autoscaling", "scaleDownStabilizationSeconds"), ("autoscaling", "metricsWindowSeconds"),
     ("router", "policy"), ("cache", "memory"), ("auth",), ("auth", "apiKeysSecret"), ("auth", "apiKeysKey"),

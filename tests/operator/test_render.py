@@ -402,3 +402,31 @@ def test_a_disaggregated_deployment_gives_both_pools_the_checkpoint_settings():
         assert line[line.index("--role") + 1] == c
         assert line[line.index("--state-checkpoint-interval") + 1] == "256"
         assert line[line.index("--state-checkpoint-bytes") + 1] == str(1 << 30)
+
+
+@pytest.mark.parametrize("admission,ttft,gate", [
+    ("FirstCome", None, None), ("TTFTFirst", 800.0, None), ("TPOTGated", 800.0, 60.0)])
+@pytest.mark.parametrize("colocated", [False, True])
+def test_engines_admit_as_the_slo_says(admission, ttft, gate, colocated, tmp_path):
+    """spec.slo.admission becomes the engines' admission flags, at the targets of spec.slo (the
+    gate at 75% of tpotMs, the level bench/fleet.py measured), and the real `kvmesh serve` parses
+    them into its engine configuration; routers and cache nodes get none."""
+    from kvmesh.engine.server.cli import settings_from_args
+
+    cr = make_cr()
+    cr["spec"]["slo"] = {"ttftMs": 800, "tpotMs": 80, "admission": admission}
+    if colocated:
+        cr["spec"]["prefill"]["replicas"] = 0
+    objs = r.render_all(cr)
+    config = tmp_path / r.CONFIG_FILE
+    config.write_text(by_key(objs)[("ConfigMap", "llm-config")]["data"][r.CONFIG_FILE])
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    for c in ("prefill", "decode"):
+        line = argv(objs, c)
+        line[line.index("--config") + 1] = str(config)
+        engine = settings_from_args(parser.parse_args(mount_auth_secret(line, tmp_path)[2:])).engine
+        assert (engine.ttft_slo_ms, engine.admission_tpot_ms) == (ttft or 0.0, gate or 0.0)
+        engine.validate()
+    for c in ("cache", "router"):
+        assert not {"--ttft-slo-ms", "--admission-tpot-ms"} & set(argv(objs, c))

@@ -90,3 +90,23 @@ def test_state_checkpoint_defaults_are_the_engines():
     model = parse_spec(copy.deepcopy(MINIMAL_SPEC)).model
     assert model.state_checkpoint_interval == EngineConfig.state_checkpoint_interval
     assert model.state_checkpoint_memory == "512Mi" and 512 << 20 == EngineConfig.state_checkpoint_bytes
+
+
+@pytest.mark.parametrize("slo,message", [
+    ({"admission": "TTFTFirst"}, r"admission TTFTFirst admits against spec.slo.ttftMs: set it"),
+    ({"admission": "TPOTGated", "ttftMs": 1000}, r"admission TPOTGated admits against spec.slo.tpotMs"),
+    ({"admission": "TPOTGated"}, r"spec.slo.ttftMs and spec.slo.tpotMs: set them"),
+    ({"admission": "fifo", "ttftMs": 1000}, r"spec.slo.admission must be one of FirstCome, TTFTFirst, TPOTGated"),
+])
+def test_admission_against_a_target_the_spec_does_not_give_is_refused(slo, message):
+    spec = copy.deepcopy(MINIMAL_SPEC)
+    spec["slo"] = slo
+    with pytest.raises(SpecError, match=message):
+        parse_spec(spec)
+
+
+def test_admission_defaults_to_arrival_order_with_or_without_targets():
+    assert parse_spec(copy.deepcopy(MINIMAL_SPEC)).slo.admission == "FirstCome"
+    spec = copy.deepcopy(MINIMAL_SPEC)
+    spec["slo"] = {"ttftMs": 500, "tpotMs": 50}
+    assert parse_spec(spec).slo.admission == "FirstCome"
