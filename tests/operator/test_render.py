@@ -28,6 +28,21 @@ def argv(objs, component):
     return c["command"] + c["args"]
 
 
+def serve_args_of_engines(objs, tmp_path) -> dict[str, argparse.Namespace]:
+    """Each engine pool's command line parsed by the real `kvmesh serve` parser, with the rendered
+    kvmesh.yaml and the auth secret where the pod would mount them."""
+    config = tmp_path / r.CONFIG_FILE
+    config.write_text(by_key(objs)[("ConfigMap", "llm-config")]["data"][r.CONFIG_FILE])
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    parsed = {}
+    for c in ("prefill", "decode"):
+        line = argv(objs, c)
+        line[line.index("--config") + 1] = str(config)  # the ConfigMap's mount, here
+        parsed[c] = parser.parse_args(mount_auth_secret(line, tmp_path)[2:])
+    return parsed
+
+
 def test_renders_the_full_child_set_with_owner_references(cr):
     objs = r.render_all(cr)
     keys = set(by_key(objs))
@@ -284,16 +299,8 @@ def test_engines_run_the_model_dtype(dtype, colocated, tmp_path):
     if colocated:
         cr["spec"]["prefill"]["replicas"] = 0
     objs = r.render_all(cr)
-    config = tmp_path / r.CONFIG_FILE
-    config.write_text(by_key(objs)[("ConfigMap", "llm-config")]["data"][r.CONFIG_FILE])
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
     want = dtype or "auto"
-    for c in ("prefill", "decode"):
-        line = argv(objs, c)
-        line[line.index("--config") + 1] = str(config)  # the ConfigMap's mount, here
-        line = mount_auth_secret(line, tmp_path)
-        args = parser.parse_args(line[2:])
+    for args in serve_args_of_engines(objs, tmp_path).values():
         assert args.dtype == want
         engine = settings_from_args(args).engine
         assert engine.dtype == want
@@ -418,14 +425,8 @@ def test_engines_admit_as_the_slo_says(admission, ttft, gate, colocated, tmp_pat
     if colocated:
         cr["spec"]["prefill"]["replicas"] = 0
     objs = r.render_all(cr)
-    config = tmp_path / r.CONFIG_FILE
-    config.write_text(by_key(objs)[("ConfigMap", "llm-config")]["data"][r.CONFIG_FILE])
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
-    for c in ("prefill", "decode"):
-        line = argv(objs, c)
-        line[line.index("--config") + 1] = str(config)
-        engine = settings_from_args(parser.parse_args(mount_auth_secret(line, tmp_path)[2:])).engine
+    for args in serve_args_of_engines(objs, tmp_path).values():
+        engine = settings_from_args(args).engine
         assert (engine.ttft_slo_ms, engine.admission_tpot_ms) == (ttft or 0.0, gate or 0.0)
         engine.validate()
     for c in ("cache", "router"):
