@@ -121,7 +121,8 @@ int kvmesh_dequant_rows_f32(const float *scale, const float *minv, const uint8_t
  * for every weight the caller checked with kvmesh_dequant_rows_bf16), then the tile unit
  * multiplies: C^T [16 outputs x 16 rows of x] += W [16 outputs x 32 inputs] . x^T [32 inputs x 16
  * rows] per block, accumulating in fp32. The dequantizing is paid once per weight whatever M is
- * (up to 64 rows: four accumulators), so a decode step streams 6 bits a weight instead of 16. */
+ * (up to 64 rows: four accumulators), so a decode step streams 6 (Q4_1) or 9 (Q8_0) bits a weight
+ * instead of 16. */
 #if defined(KVMESH_HAVE_AVX512_BF16) && defined(KVMESH_HAVE_AMX)
 #define QMAX_ROWS 64
 
