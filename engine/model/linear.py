@@ -33,7 +33,8 @@ _PACKED_DTYPES = {torch.bfloat16: 1e-2, torch.float32: 1e-5}  # dtype -> probe t
 QUANT_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 32}
 """Rows up to which the block-quantized product beats oneDNN's GEMM on one core streaming every
 weight of the default model (bench/qlinear.py: fp32 2-2.7x faster at 1-8 rows, 1.35x at 16; bf16
-on tiles 1.1-1.2x up to 32 rows, slower at 64)."""
+on tiles 1.5-1.7x up to 32 rows; its first, unpipelined version was 0.96-1.05x at 64 rows, where
+the limit was set)."""
 
 
 def _packed_ok(dtype: torch.dtype) -> bool:
@@ -67,7 +68,9 @@ class LinearFactory:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
             op = torch.ops.mkldnn._linear_pointwise
             dense = lambda x: op(x, packed, bias, "none", [], "")  # noqa: E731
-        from_blocks = quant_rows.product(quant) if quant is not None and self.exact_blocks(weight, quant) else None
+        if quant is None or not self.exact_blocks(weight, quant):
+            return dense
+        from_blocks = quant_rows.product(quant)
         if from_blocks is None:
             return dense
         max_rows = QUANT_MAX_ROWS[weight.dtype]
@@ -79,7 +82,7 @@ class LinearFactory:
                     return y if bias is None else y.add_(bias)
             return dense(x)
 
-        self.quantized_bytes += quant.nbytes  # type: ignore[union-attr]
+        self.quantized_bytes += quant.nbytes
         return small_from_blocks
 
     def exact_blocks(self, weight: torch.Tensor, quant: QuantRows) -> bool:
