@@ -7,11 +7,11 @@ max_tokens) against:
 * `kvmesh cache-aware`: `kvmesh up` with N engines behind `kvmesh router --policy cache-aware`;
 * `kvmesh cache-aware, paced`: the same with `kvmesh serve --tpot-slo-ms` at the TPOT target
   (prefill chunks beside decodes cut to the streams' slack: engine/prefill_pacer.py);
-* `kvmesh cache-aware, TTFT-first`: the same with `kvmesh serve --ttft-slo-ms` at the TTFT target
+* `kvmesh cache-aware, TTFT-first`: the same with `kvmesh up --admission TTFTFirst` at the TTFT target
   (requests already past it are admitted after those that can still make it: engine/scheduler.py);
-* `kvmesh cache-aware, TPOT-gated`: the same with `kvmesh serve --admission-tpot-ms` at 75% of the
-  TPOT target (no new stream joins while the running ones step slower than that: engine/tpot_gate.py);
-  suffixes combine, e.g. `kvmesh-cache-aware-ttft-gated`;
+* `kvmesh cache-aware, TTFT-first, TPOT-gated` (`kvmesh-cache-aware-ttft-gated`): `kvmesh up
+  --admission TPOTGated`, which also holds admissions while the running streams step slower than 75%
+  of the TPOT target (engine/tpot_gate.py); suffixes combine, e.g. `kvmesh-cache-aware-paced-ttft`;
 * `kvmesh round-robin`: the same engines behind `kvmesh router --policy round-robin` (what the
   routing is worth on kvmesh's own engines);
 * `vLLM round-robin`: N vLLM-CPU servers (`vllm serve`, from their own virtual environment) behind
@@ -55,7 +55,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvmesh.engine.router.envoy_config import round_robin_config
-from kvmesh.engine.tpot_gate import TARGET_FRACTION
 from kvmesh.engine.util.cliargs import parse_size
 from kvmesh.engine.util.envoy_proc import EnvoyProcess
 from kvmesh.engine.util.localproc import free_port, wait_ready
@@ -140,12 +139,19 @@ def slo_counts(results: list, ttft_s: float, tpot_s: float) -> tuple[int, int, i
     return sum(a and b for a, b in met), sum(a for a, _ in met), sum(b for _, b in met)
 
 
-VARIANTS = {"paced": ("paced", "--tpot-slo-ms", lambda args: args.slo_tpot_ms),
-            "ttft": ("TTFT-first", "--ttft-slo-ms", lambda args: args.slo_ttft_s * 1e3),
-            "gated": ("TPOT-gated", "--admission-tpot-ms", lambda args: TARGET_FRACTION * args.slo_tpot_ms)}
-"""kvmesh-POLICY[-SUFFIX...]: (what the table calls it, the `kvmesh serve` flag, its value in ms: the SLO's
-target; the TPOT gate 75% of it: of 60, 75, 85 and 90 ms for a 100 ms target, 75 met the most requests on
-the saturating trace of docs/benchmarks.md)."""
+VARIANTS = {"paced": "paced", "ttft": "TTFT-first", "gated": "TPOT-gated"}
+"""kvmesh-POLICY[-SUFFIX...] -> what the table calls it. ``paced``: `kvmesh serve --tpot-slo-ms` at the
+TPOT target; ``ttft`` and ``ttft-gated``: `kvmesh up --admission TTFTFirst` / `TPOTGated` at the SLO's
+targets (the gate at 75% of the TPOT target: of 60, 75, 85 and 90 ms for a 100 ms target, 75 met the
+most requests on the saturating trace of docs/benchmarks.md)."""
+
+
+def admission_of(variants: list[str]) -> str:
+    """The `kvmesh up --admission` a system's suffixes ask for."""
+    if "gated" in variants and "ttft" not in variants:
+        raise SystemExit("the TPOT gate runs with TTFT-first admission (kvmesh up --admission TPOTGated): "
+                         "name the system ...-ttft-gated")
+    return "TPOTGated" if "gated" in variants else "TTFTFirst" if "ttft" in variants else "FirstCome"
 
 
 def split_variants(name: str) -> tuple[str, list[str]]:
@@ -157,17 +163,22 @@ def split_variants(name: str) -> tuple[str, list[str]]:
     return name, variants
 
 
+def up_options(args: argparse.Namespace, policy: str, variants: list[str]) -> UpOptions:
+    """The `kvmesh up` a kvmesh system runs: one thread per engine, the variants' admission and pacing."""
+    serve = ("--dtype", args.dtype, *args.kvmesh_args.split())
+    if "paced" in variants:
+        serve += ("--tpot-slo-ms", str(args.slo_tpot_ms))
+    return UpOptions(engines=args.engines, port=args.base_port, engine_base_port=args.base_port + 100,
+                     kv_events_base_port=args.base_port + 200, model=args.model, policy=policy, threads=1,
+                     kv_cache_bytes=args.kv_cache_bytes, serve_args=serve, admission=admission_of(variants),
+                     slo_ttft_ms=args.slo_ttft_s * 1e3, slo_tpot_ms=args.slo_tpot_ms)
+
+
 def run_kvmesh(args: argparse.Namespace, trace, policy: str, log_root: Path, cores: int,
                variants: list[str] | None = None) -> FleetResult:
-    serve = ("--dtype", args.dtype, *args.kvmesh_args.split())
     variants = variants or []
-    for variant in variants:
-        _, flag, target_ms = VARIANTS[variant]
-        serve += (flag, str(target_ms(args)))
-    specs = plan(UpOptions(engines=args.engines, port=args.base_port, engine_base_port=args.base_port + 100,
-                           kv_events_base_port=args.base_port + 200, model=args.model, policy=policy, threads=1,
-                           kv_cache_bytes=args.kv_cache_bytes, serve_args=serve), cores)
-    name = ", ".join([f"kvmesh {policy}", *(VARIANTS[v][0] for v in variants)])
+    specs = plan(up_options(args, policy, variants), cores)
+    name = ", ".join([f"kvmesh {policy}", *(VARIANTS[v] for v in variants)])
     if args.router_log_level:  # the router's log then says why each request went where it did
         specs[-1] = replace(specs[-1], args=(*specs[-1].args, "--log-level", args.router_log_level))
     with Supervisor(specs, log_root / name.replace(" ", "_").replace(",", ""), ready_timeout_s=900,

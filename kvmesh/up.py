@@ -58,6 +58,9 @@ class UpOptions:
     api_key_files: tuple[str, ...] = ()  # client keys the router checks
     isolate_tenants: bool = False  # the router salts each key's requests (engines see its salt)
     kv_transfer_base_port: int = 8200  # decode engine j receives KV (UCX) on this port + j
+    admission: str = "FirstCome"  # engine/util/fleet_args.py ADMISSIONS, against the two targets below
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -105,11 +108,27 @@ def engine_roles(opts: UpOptions) -> list[tuple[str, str]]:
     return [(f"engine-{i}", "both") for i in range(engines)]
 
 
+def _engine_admission(opts: UpOptions) -> dict[str, float]:
+    """Every engine's admission flags for ``opts.admission`` at the SLO targets given."""
+    for flag, value in (("--slo-ttft-ms", opts.slo_ttft_ms), ("--slo-tpot-ms", opts.slo_tpot_ms)):
+        if value is not None and not value > 0:  # also refuses NaN
+            raise UpError(f"{flag} must be a positive number of milliseconds, got {value}")
+    try:
+        return fa.admission_fields(opts.admission, opts.slo_ttft_ms, opts.slo_tpot_ms)
+    except fa.AdmissionError as e:
+        if not e.missing:
+            raise UpError(f"--admission must be one of {', '.join(fa.ADMISSIONS)}, got {opts.admission!r}") from None
+        flags = " and ".join(f"--slo-{t}-ms" for t in e.missing)
+        raise UpError(f"--admission {opts.admission} admits against {flags}: give "
+                      f"{'them' if len(e.missing) > 1 else 'it'}, or leave --admission at FirstCome") from None
+
+
 def plan(opts: UpOptions, cores: int) -> list[ProcSpec]:
     """The cache node (with --cache-node), the engines, then the router that fronts them: the order
     they are started in (and stopped in reverse)."""
     if opts.isolate_tenants and not opts.api_key_files:
         raise UpError("--isolate-tenants needs --api-key-file: tenants are told apart by their API key")
+    admission = _engine_admission(opts)
     roles = engine_roles(opts)
     n = len(roles)
     decoders = [i for i, (_, role) in enumerate(roles) if role == "decode"]
@@ -141,7 +160,7 @@ def plan(opts: UpOptions, cores: int) -> list[ProcSpec]:
                              kv_events_port=opts.kv_events_base_port + 2 * i,
                              kv_transfer_port=transfer_port.get(i), kv_cache_bytes=opts.kv_cache_bytes,
                              cache_node=node, cpu_kv_bytes=opts.cpu_kv_bytes, auth_token_file=opts.auth_token_file,
-                             extra=tuple(opts.serve_args))
+                             **admission, extra=tuple(opts.serve_args))
         url = f"http://{opts.host}:{port}"
         urls[role].append(url)
         specs.append(ProcSpec(name, tuple(fa.serve_args(line)), url, env))
@@ -380,6 +399,16 @@ def add_up_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-node-memory", default="1GiB", metavar="SIZE",
                    help="the cache node's KV capacity (default: %(default)s)")
     p.add_argument("--cpu-kv-bytes", default=None, metavar="SIZE", help="host KV tier per engine, e.g. 2GiB")
+    p.add_argument("--admission", default="FirstCome", choices=tuple(fa.ADMISSIONS),
+                   help="how every engine admits waiting requests, as an InferenceDeployment's spec.slo.admission: "
+                        "FirstCome (arrival order, the default); TTFTFirst (requests that can still meet "
+                        "--slo-ttft-ms first); TPOTGated (that, and no admission while the running streams' steps "
+                        "near --slo-tpot-ms; for engines past capacity, docs/engine.md)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                   help="the time-to-first-token target TTFTFirst and TPOTGated admit against")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
+                   help="the time-per-output-token target; TPOTGated holds admissions while steps average "
+                        f"{round(100 * fa.TARGET_FRACTION)}%% of it or more")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every `kvmesh serve` (repeatable, e.g. --serve-arg=--dtype=float32)")
     p.add_argument("--status-interval", type=float, default=30.0, metavar="SECONDS",
@@ -398,15 +427,21 @@ def add_up_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=handler)
 
 
+def options_from_args(args: argparse.Namespace) -> UpOptions:
+    """`kvmesh up`'s flags as the plan's options."""
+    return UpOptions(engines=args.engines, prefill=args.prefill, decode=args.decode,
+                      kv_transfer_base_port=args.kv_transfer_base_port, host=args.host, port=args.port,
+                      engine_base_port=args.engine_base_port,
+                      kv_events_base_port=args.kv_events_base_port, model=args.model, policy=args.policy,
+                      threads=args.threads, kv_cache_bytes=args.kv_cache_bytes, serve_args=tuple(args.serve_arg),
+                      cache_node=args.cache_node, cache_node_port=args.cache_node_port,
+                      cache_node_memory=args.cache_node_memory, cpu_kv_bytes=args.cpu_kv_bytes,
+                      api_key_files=tuple(args.api_key_file), isolate_tenants=args.isolate_tenants,
+                      admission=args.admission, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+
+
 def handler(args: argparse.Namespace) -> int:
-    opts = UpOptions(engines=args.engines, prefill=args.prefill, decode=args.decode,
-                     kv_transfer_base_port=args.kv_transfer_base_port, host=args.host, port=args.port,
-                     engine_base_port=args.engine_base_port,
-                     kv_events_base_port=args.kv_events_base_port, model=args.model, policy=args.policy,
-                     threads=args.threads, kv_cache_bytes=args.kv_cache_bytes, serve_args=tuple(args.serve_arg),
-                     cache_node=args.cache_node, cache_node_port=args.cache_node_port,
-                     cache_node_memory=args.cache_node_memory, cpu_kv_bytes=args.cpu_kv_bytes,
-                     api_key_files=tuple(args.api_key_file), isolate_tenants=args.isolate_tenants)
+    opts = options_from_args(args)
     run_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvmesh-up-"))
     if args.auth:
         opts = dataclasses.replace(opts, auth_token_file=str(write_token(run_dir)))

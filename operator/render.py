@@ -33,7 +33,6 @@ from typing import Any, Mapping
 
 import yaml
 
-from kvmesh.engine.tpot_gate import TARGET_FRACTION
 from kvmesh.engine.util import fleet_args as fa
 
 from . import spec as s
@@ -177,16 +176,6 @@ def drain_timeout_s(c: s.Component) -> int:
     return max(1, c.termination_grace_period_seconds - DRAIN_MARGIN_S)
 
 
-def _admission_flags(slo: s.Slo) -> dict[str, float]:
-    """The engines' admission flags for spec.slo.admission (parse_spec has checked the targets)."""
-    flags: dict[str, float] = {}
-    if slo.admission in ("TTFTFirst", "TPOTGated"):
-        flags["ttft_slo_ms"] = float(slo.ttft_ms)  # type: ignore[arg-type]
-    if slo.admission == "TPOTGated":
-        flags["admission_tpot_ms"] = TARGET_FRACTION * slo.tpot_ms  # type: ignore[operator]
-    return flags
-
-
 def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[str]:
     """The `kvmesh ...` command line a pool's container runs (engine/util/fleet_args.py renders
     it, as for `kvmesh up`)."""
@@ -206,7 +195,7 @@ def component_args(spec: s.InferenceSpec, owner: Owner, component: str) -> list[
             dtype=spec.model.dtype, cache_node=cache, kv_events_port=KV_EVENTS_PORT,
             state_checkpoint_interval=spec.model.state_checkpoint_interval,
             state_checkpoint_bytes=int(parse_quantity(spec.model.state_checkpoint_memory)),
-            **_admission_flags(spec.slo),
+            **fa.admission_fields(spec.slo.admission, spec.slo.ttft_ms, spec.slo.tpot_ms),
             kv_transfer_port=KV_TRANSFER_PORT if role == "decode" else None,
             drain_timeout_s=drain_timeout_s(spec.component(component)), **common)
         return ["kvmesh", *fa.serve_args(line)]

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kvmesh.engine.util import fleet_args as fa
+
 from .quantity import QuantityError, parse_quantity
 
 GROUP = "serving.kvmesh.io"
@@ -43,10 +45,9 @@ MODEL_FORMATS = ("Auto", "GGUF", "Safetensors")
 # picks what each engine's node computes natively (engine/dtype_choice.py).
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-# How the engines admit waiting requests against spec.slo (docs/operator.md): in arrival order; the
-# ones that can still meet ttftMs first (`kvmesh serve --ttft-slo-ms`); or that, and no admission
-# while the streams' time per token is near tpotMs (`--admission-tpot-ms`, engine/tpot_gate.py).
-ADMISSIONS = ("FirstCome", "TTFTFirst", "TPOTGated")
+# How the engines admit waiting requests against spec.slo (docs/operator.md; the names and what each
+# needs are engine/util/fleet_args.py's, shared with `kvmesh up --admission`).
+ADMISSIONS = tuple(fa.ADMISSIONS)
 DEFAULT_ADMISSION = "FirstCome"
 
 DEFAULT_IMAGE = "kvmesh/kvmesh:0.1.0"
@@ -400,8 +401,7 @@ def _admission(slo: Mapping[str, Any]) -> str:
     admission = _text(slo.get("admission"), "spec.slo.admission", DEFAULT_ADMISSION)
     if admission not in ADMISSIONS:
         raise SpecError(f"spec.slo.admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
-    needs = {"TTFTFirst": ("ttftMs",), "TPOTGated": ("ttftMs", "tpotMs")}.get(admission, ())
-    missing = [f"spec.slo.{k}" for k in needs if slo.get(k) is None]
+    missing = [f"spec.slo.{t}Ms" for t in fa.missing_targets(admission, slo.get("ttftMs"), slo.get("tpotMs"))]
     if missing:
         raise SpecError(f"spec.slo.admission {admission} admits against {' and '.join(missing)}: set "
                         f"{'them' if len(missing) > 1 else 'it'}, or set admission to FirstCome")

@@ -10,6 +10,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.engine.tpot_gate import TARGET_FRACTION
+
+ADMISSIONS = {"FirstCome": (), "TTFTFirst": ("ttft",), "TPOTGated": ("ttft", "tpot")}
+"""How engines admit waiting requests against an SLO, and the targets each needs: in arrival order;
+those that can still meet the TTFT target first (`kvmesh serve --ttft-slo-ms`); or that, and no
+admission while the streams' steps near the TPOT target (`--admission-tpot-ms` at
+``TARGET_FRACTION`` of it). The operator's ``spec.slo.admission`` and `kvmesh up --admission` name
+them alike."""
+
+
+class AdmissionError(ValueError):
+    """An unknown admission, or one without the targets it admits against (``missing``)."""
+
+    def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+def missing_targets(admission: str, ttft_ms: object | None, tpot_ms: object | None) -> tuple[str, ...]:
+    """The targets ("ttft", "tpot") ``admission`` admits against that are None; AdmissionError for
+    an unknown admission."""
+    if admission not in ADMISSIONS:
+        raise AdmissionError(f"unknown admission {admission!r}: one of {', '.join(ADMISSIONS)}")
+    given = {"ttft": ttft_ms, "tpot": tpot_ms}
+    return tuple(t for t in ADMISSIONS[admission] if given[t] is None)
+
+
+def admission_fields(admission: str, ttft_ms: float | None, tpot_ms: float | None) -> dict[str, float]:
+    """`EngineLine` fields for ``admission`` at the SLO's targets (ms); {} for FirstCome.
+
+    Raises AdmissionError whose ``missing`` names the absent targets, for each caller to say in
+    its own vocabulary (CR fields, CLI flags)."""
+    missing = missing_targets(admission, ttft_ms, tpot_ms)
+    if missing:
+        raise AdmissionError(f"admission {admission} admits against the {' and '.join(missing)} target", missing)
+    fields: dict[str, float] = {}
+    if ttft_ms is not None and "ttft" in ADMISSIONS[admission]:
+        fields["ttft_slo_ms"] = float(ttft_ms)
+    if tpot_ms is not None and "tpot" in ADMISSIONS[admission]:
+        fields["admission_tpot_ms"] = TARGET_FRACTION * float(tpot_ms)
+    return fields
+
 
 @dataclass(frozen=True)
 class EngineLine:

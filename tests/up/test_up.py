@@ -8,13 +8,14 @@ tests/up/test_up_platform.py (slow).
 from __future__ import annotations
 
 import io
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 from kvmesh.cli import build_parser
-from kvmesh.up import ProcSpec, Supervisor, UpError, UpOptions, plan, threads_per_engine
+from kvmesh.up import ProcSpec, Supervisor, UpError, UpOptions, options_from_args, plan, threads_per_engine
 
 
 def test_threads_split_the_cores_evenly_and_never_drop_to_zero() -> None:
@@ -130,6 +131,36 @@ def test_up_flags_reach_the_plan() -> None:
     assert (args.engines, args.prefill, args.decode, args.kv_transfer_base_port) == (None, 1, 2, 7000)
     assert build_parser().parse_args(["up"]).engines is None  # DEFAULT_ENGINES colocated engines
     assert [s.name for s in plan(UpOptions(), cores=2)] == ["engine-0", "engine-1", "router"]
+
+
+def test_admission_flags_reach_every_engine_and_serve_reads_them() -> None:
+    """`kvmesh up --admission TPOTGated --slo-ttft-ms --slo-tpot-ms`: every engine's line, parsed by
+    the real `kvmesh serve`, admits TTFT-first with the gate at 75% of the TPOT target (the router
+    gets neither flag)."""
+    from kvmesh.engine.server.cli import settings_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["up", "--admission", "TPOTGated", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100"])
+    specs = plan(options_from_args(args), cores=2)
+    for spec in specs[:-1]:
+        engine = settings_from_args(parser.parse_args(list(spec.args))).engine
+        assert (engine.ttft_slo_ms, engine.admission_tpot_ms) == (1000.0, 75.0)
+    assert not {"--ttft-slo-ms", "--admission-tpot-ms"} & set(specs[-1].args)
+    default = plan(options_from_args(parser.parse_args(["up"])), cores=2)
+    assert not any("--ttft-slo-ms" in s.args or "--admission-tpot-ms" in s.args for s in default)
+
+
+@pytest.mark.parametrize("opts,match", [
+    (UpOptions(admission="TTFTFirst"), "--admission TTFTFirst admits against --slo-ttft-ms: give it"),
+    (UpOptions(admission="TPOTGated", slo_ttft_ms=1000), "admits against --slo-tpot-ms"),
+    (UpOptions(admission="TPOTGated"), "--slo-ttft-ms and --slo-tpot-ms: give them"),
+    (UpOptions(admission="Fastest", slo_ttft_ms=1000), "--admission must be one of FirstCome"),
+    (UpOptions(admission="TTFTFirst", slo_ttft_ms=0), "--slo-ttft-ms must be a positive"),
+    (UpOptions(admission="TPOTGated", slo_ttft_ms=1000, slo_tpot_ms=float("nan")), "--slo-tpot-ms must be"),
+])
+def test_an_admission_without_its_targets_is_refused_with_the_flags_to_give(opts: UpOptions, match: str) -> None:
+    with pytest.raises(UpError, match=re.escape(match)):
+        plan(opts, cores=2)
 
 
 @pytest.mark.parametrize("port", [8100, 8099, 5557])  # engine-0's port, UCX = 8100, a KV events port

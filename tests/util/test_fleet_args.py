@@ -46,3 +46,38 @@ def test_a_router_line_takes_urls_or_services_for_each_pool():
 def test_a_cache_node_line_gives_its_ports_and_memory():
     s = node_settings(build_parser().parse_args(fa.cache_node_args(fa.CacheNodeLine("1GiB", port=8090, ucx_port=8091))))
     assert (s.memory, s.port, s.ucx_port) == (1 << 30, 8090, 8091)
+
+
+@pytest.mark.parametrize("admission,fields", [
+    ("FirstCome", {}),
+    ("TTFTFirst", {"ttft_slo_ms": 800.0}),
+    ("TPOTGated", {"ttft_slo_ms": 800.0, "admission_tpot_ms": 60.0}),  # the gate at 75% of the target
+])
+def test_an_admission_becomes_engine_flags_that_serve_reads(admission, fields):
+    """The one admission vocabulary of the operator and `kvmesh up`: each name's flags, parsed by
+    the real `kvmesh serve` into its engine configuration."""
+    assert fa.admission_fields(admission, 800, 80) == fields
+    line = fa.EngineLine(**fa.admission_fields(admission, 800, 80))
+    e = serve_settings(build_parser().parse_args(fa.serve_args(line))).engine
+    assert e.ttft_slo_ms == fields.get("ttft_slo_ms", 0.0)
+    assert e.admission_tpot_ms == fields.get("admission_tpot_ms", 0.0)
+    e.validate()
+
+
+@pytest.mark.parametrize("admission,ttft,tpot,missing", [
+    ("TTFTFirst", None, 80, ("ttft",)),
+    ("TPOTGated", 800, None, ("tpot",)),
+    ("TPOTGated", None, None, ("ttft", "tpot")),
+    ("FirstCome", None, None, ()),
+])
+def test_an_admission_without_its_targets_names_what_is_missing(admission, ttft, tpot, missing):
+    assert fa.missing_targets(admission, ttft, tpot) == missing
+    if missing:
+        with pytest.raises(fa.AdmissionError) as e:
+            fa.admission_fields(admission, ttft, tpot)
+        assert e.value.missing == missing
+
+
+def test_an_unknown_admission_is_refused():
+    with pytest.raises(fa.AdmissionError, match="FirstCome, TTFTFirst, TPOTGated"):
+        fa.missing_targets("Fastest", 1, 1)
