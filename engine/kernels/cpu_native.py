@@ -39,9 +39,9 @@ from kvmesh.engine.util.cache_dir import building, default_cache_dir
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("cpu_decode_attention.c", "cpu_decode_amx.c", "cpu_extend_attention.c", "cpu_elementwise.c",
-            "cpu_bitmask.c", "cpu_qlinear.c", "cpu_amx.c")
-_HEADERS = ("kvmesh_cpu.h",)
+_SOURCES = ("cpu_decode_attention.c", "cpu_decode_amx.c", "cpu_extend_attention.c", "cpu_extend_amx.c",
+            "cpu_elementwise.c", "cpu_bitmask.c", "cpu_qlinear.c", "cpu_amx.c")
+_HEADERS = ("kvmesh_cpu.h", "amx_attention.h")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -67,6 +67,7 @@ _SIGNATURES = {  # C prototypes; keep in step with csrc/
     "kvmesh_silu_mul_f32": _SILU_ARGS,
     "kvmesh_extend_attention_bf16": _EXTEND_ARGS,
     "kvmesh_extend_attention_f32": _EXTEND_ARGS,
+    "kvmesh_extend_attention_bf16_amx": _EXTEND_ARGS,
     "kvmesh_decode_attention_bf16_amx": _DECODE_ARGS,
     "kvmesh_decode_step_bf16": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P] + [_I] * 5 + [_I64] * 3 + [_F, _I, _I],
     "kvmesh_argmax_bf16": [_P, _I64, _I64, _I64, _P, _I],
@@ -80,6 +81,7 @@ _SIGNATURES = {  # C prototypes; keep in step with csrc/
 }
 _RETURNS = {"kvmesh_decode_attention_bf16_amx": ctypes.c_int,
             "kvmesh_extend_attention_bf16": ctypes.c_int, "kvmesh_extend_attention_f32": ctypes.c_int,
+            "kvmesh_extend_attention_bf16_amx": ctypes.c_int,
             "kvmesh_decode_step_bf16": ctypes.c_int, "kvmesh_qlinear_f32": ctypes.c_int,
             "kvmesh_dequant_rows_f32": ctypes.c_int, "kvmesh_qlinear_bf16_amx": ctypes.c_int,
             "kvmesh_dequant_rows_bf16": ctypes.c_int}
@@ -224,13 +226,16 @@ def paged_extend_attention_cpu(
     *,
     max_query_len: int | None = None,
     bf16_sdpa: bool = False,
+    tiles: bool = True,
 ) -> torch.Tensor:
-    """Same contract as `extend_attention.paged_extend_attention_ref`; native for bf16 and fp32,
-    except bf16 where ``bf16_sdpa`` (see `sdpa_beats_native_bf16_extend`)."""
+    """Same contract as `extend_attention.paged_extend_attention_ref`; native for bf16 and fp32.
+
+    bf16 runs on AMX tiles where the CPU has AMX-BF16 and ``tiles`` (csrc/cpu_extend_amx.c:
+    block_size % 16 == 0, head dim 64 or 128); elsewhere the AVX-512 kernel, or torch's SDPA with
+    ``bf16_sdpa`` (see `sdpa_beats_native_bf16_extend`)."""
     lib = load_library()
-    native_dtypes = (torch.float32,) if bf16_sdpa else (torch.bfloat16, torch.float32)
     ok = (
-        lib is not None and q.dim() == 3 and q.device.type == "cpu" and q.dtype in native_dtypes
+        lib is not None and q.dim() == 3 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32)
         and _paged_cache_ok(k_cache, v_cache, q.dtype)
         and q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
         and block_tables.dtype == torch.int32 and block_tables.dim() == 2
@@ -245,24 +250,29 @@ def paged_extend_attention_cpu(
         out = torch.empty_like(q)
         t, hq, d = q.shape
         sb, ss, sh, _ = k_cache.stride()
-        fn = lib.kvmesh_extend_attention_f32 if q.dtype == torch.float32 else lib.kvmesh_extend_attention_bf16
-        rc = fn(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1],
-            qsl.data_ptr(), sl.data_ptr(), out.data_ptr(), sl.shape[0], hq, k_cache.shape[2], d,
-            k_cache.shape[1], sb, ss, sh, float(scale), torch.get_num_threads())
-        if rc == 0:
-            return out
+        args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1],
+                qsl.data_ptr(), sl.data_ptr(), out.data_ptr(), sl.shape[0], hq, k_cache.shape[2], d,
+                k_cache.shape[1], sb, ss, sh, float(scale), torch.get_num_threads())
+        if q.dtype == torch.float32:
+            kernels = [lib.kvmesh_extend_attention_f32]
+        else:
+            kernels = [lib.kvmesh_extend_attention_bf16_amx] if tiles else []
+            kernels += [] if bf16_sdpa else [lib.kvmesh_extend_attention_bf16]
+        for fn in kernels:
+            if fn(*args) == 0:
+                return out
     return paged_extend_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                                       max_query_len=max_query_len)
 
 
 def sdpa_beats_native_bf16_extend(cpu_flags: frozenset[str]) -> bool:
-    """Whether bf16 prefill attention should run torch's SDPA instead of the native kernel.
+    """Whether bf16 prefill attention the AMX kernel cannot take (another head dim or block size)
+    should run torch's SDPA instead of the AVX-512 kernel.
 
     With AMX-BF16, torch's CPU flash attention multiplies on AMX tiles (oneDNN's brgemm), which
-    the native kernel's AVX512-BF16 dot products cannot match: 1.9-3.5x faster for 512-2,048-token
-    chunks on an AMX Xeon (docs/benchmarks.md). Without AMX the native kernel is the faster one,
-    and in fp32 it is on both (1.0-1.5x on the same Xeon)."""
+    the AVX-512 kernel's dot products cannot match: 1.9-3.5x faster for 512-2,048-token chunks on
+    an AMX Xeon (docs/benchmarks.md). Without AMX the native kernel is the faster one, and in fp32
+    it is on both (1.0-1.5x on the same Xeon)."""
     return "amx_bf16" in cpu_flags
 
 

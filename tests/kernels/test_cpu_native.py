@@ -214,8 +214,8 @@ def test_bf16_extend_goes_to_sdpa_only_with_amx(flags, sdpa):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_bf16_sdpa_routes_bf16_to_the_reference_and_keeps_fp32_native(kernel_build, monkeypatch, dtype):
-    """``bf16_sdpa``: a bf16 call is answered by the torch reference (SDPA); fp32 stays native
-    where the build has AVX512F; both give the oracle's answer."""
+    """``bf16_sdpa`` (without tiles): a bf16 call is answered by the torch reference (SDPA); fp32
+    stays native where the build has AVX512F; both give the oracle's answer."""
     g = torch.Generator().manual_seed(5)
     batch = make_paged_batch([40, 70], 3, 64, 16, dtype, g)
     q = torch.randn(38, 9, 64, generator=g).to(dtype)
@@ -224,7 +224,7 @@ def test_bf16_sdpa_routes_bf16_to_the_reference_and_keeps_fp32_native(kernel_bui
     monkeypatch.setattr(nat, "paged_extend_attention_ref", lambda *a, **k: called.append(1) or
                         paged_extend_attention_ref(*a, **k))
     got = nat.paged_extend_attention_cpu(q, batch.k_cache, batch.v_cache, batch.block_tables, qsl,
-                                         batch.seq_lens, 0.125, bf16_sdpa=True)
+                                         batch.seq_lens, 0.125, bf16_sdpa=True, tiles=False)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), naive_extend(q, batch, qsl, 0.125).float(), atol=tol, rtol=tol)
     native_fp32 = kernel_build == "native" and "avx512f" in open("/proc/cpuinfo").read()
@@ -239,6 +239,67 @@ def test_backend_binds_sdpa_for_bf16_extend_from_the_cpu_flags(monkeypatch):
     assert attention.AttentionBackend("torch")._extend.keywords == {"bf16_sdpa": True}
     monkeypatch.setattr(attention, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     assert attention.AttentionBackend("torch")._extend is nat.paged_extend_attention_cpu
+
+
+def _stale_tails(batch: PagedBatch) -> PagedBatch:
+    """NaN in every cache row past a sequence's length (stale rows of a reused block): a kernel
+    that lets a query see them answers NaN."""
+    bs = batch.k_cache.shape[1]
+    for i, n in enumerate(batch.seq_lens.tolist()):
+        last = int(batch.block_tables[i, (n - 1) // bs])
+        batch.k_cache[last, (n - 1) % bs + 1:] = float("nan")
+        batch.v_cache[last, (n - 1) % bs + 1:] = float("nan")
+    return batch
+
+
+@pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (8, 1, 128), (16, 2, 64), (4, 4, 64), (16, 16, 128)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_extend_bf16_tiles(hq, hkv, head_dim, block_size):
+    """The AMX kernel (on CPUs with AMX-BF16; elsewhere the call runs the vector kernel) against the
+    oracle: plain prefills, chunks after a cached prefix (a long one among them), items cut at
+    16 / G tokens and single tokens, stale NaN rows past each context; the AVX-512 kernel agrees
+    within bf16."""
+    g = torch.Generator().manual_seed(hq * 10 + head_dim + block_size)
+    q_lens = [5, 17, 40, 1, 33, 16, 100]
+    ctx = [5, 30, 100, 70, 33, 300, 1400]
+    batch = _stale_tails(make_paged_batch(ctx, hkv, head_dim, block_size, torch.bfloat16, g))
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), hq, head_dim, generator=g).bfloat16()
+    scale = head_dim ** -0.5
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, qsl, batch.seq_lens, scale)
+    tiles = nat.paged_extend_attention_cpu(*args)
+    vector = nat.paged_extend_attention_cpu(*args, tiles=False)
+    want = naive_extend(q, batch, qsl, scale).float()
+    torch.testing.assert_close(tiles.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(vector.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_extend_bf16_tiles_run_where_the_cpu_has_amx(kernel_build):
+    """The AMX entry point answers 0 (it ran) exactly on the native build of a CPU with AMX-BF16,
+    -1 (nothing written) for shapes it does not take, and -2 for a chunk longer than its context:
+    the wrapper then tries the next kernel, and the reference reports the error."""
+    from kvmesh.engine.dtype_choice import cpu_flags
+
+    lib = nat.load_library()
+    g = torch.Generator().manual_seed(4)
+
+    def call(head_dim, block_size, q_lens=(8, 3)):
+        batch = make_paged_batch([40, 17], 3, head_dim, block_size, torch.bfloat16, g)
+        qsl = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32)
+        q = torch.randn(sum(q_lens), 9, head_dim, generator=g).bfloat16()
+        out = torch.zeros_like(q)
+        sb, ss, sh, _ = batch.k_cache.stride()
+        bt = batch.block_tables
+        return lib.kvmesh_extend_attention_bf16_amx(
+            q.data_ptr(), batch.k_cache.data_ptr(), batch.v_cache.data_ptr(), bt.data_ptr(), bt.stride(0),
+            bt.shape[1], qsl.data_ptr(), batch.seq_lens.data_ptr(), out.data_ptr(), 2, 9, 3, head_dim, block_size,
+            sb, ss, sh, 0.125, 1)
+
+    amx = kernel_build == "native" and {"amx_bf16", "amx_tile"} <= cpu_flags()
+    assert call(64, 16) == (0 if amx else -1)
+    assert call(64, 1) == -1  # a 16-token chunk must lie in one block
+    assert call(96, 16) == -1
+    assert call(64, 16, q_lens=(8, 20)) == (-2 if amx else -1)  # 20 new tokens in a context of 17
 
 
 def test_extend_bad_lengths_raise_like_the_reference():
