@@ -62,7 +62,7 @@ from kvmesh.up import Supervisor, UpOptions, plan
 
 # Run as a script, bench/ is on sys.path.
 from gateway import cpu  # noqa: E402
-from router import SystemResult, make_trace, replay  # noqa: E402
+from router import SystemResult, make_trace, replay, request_records  # noqa: E402
 from serving import load_tokenizer  # noqa: E402
 
 
@@ -119,18 +119,6 @@ class FleetResult:
     ttft_met: int  # requests within the TTFT target (whatever their TPOT)
     tpot_met: int  # requests within the TPOT target (whatever their TTFT)
     requests: list[dict] = field(default_factory=list)  # each request, times relative to the run's first
-
-
-def request_records(raw: list) -> list[dict]:
-    """Every request of a run in the order sent: its label, when it was sent (s after the first),
-    TTFT, TPOT, prompt and cached tokens, and its error if it failed."""
-    if not raw:
-        return []
-    t0 = min(r.sent for r in raw)
-    return [{"label": r.label, "sent_s": round(r.sent - t0, 3), "ttft_s": round(r.ttft, 3),
-             "tpot_ms": round(r.tpot * 1e3, 1), "prompt_tokens": r.prompt_tokens,
-             "cached_tokens": r.cached_tokens, "error": r.error}
-            for r in sorted(raw, key=lambda r: r.sent)]
 
 
 def slo_counts(results: list, ttft_s: float, tpot_s: float) -> tuple[int, int, int]:

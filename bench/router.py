@@ -14,7 +14,8 @@ completes. Replies are greedy with `ignore_eos` and a fixed max_tokens, so every
 identical prompts. Reported per system: TTFT/TPOT p50/p90/p99, output tok/s, the fleet prefix
 hit rate (engines' `kvmesh_prefix_cache_hits_total / queries_total` over the run) and the
 router's added latency at low load (tiny non-streaming requests, alternately direct to an
-engine and through the router).
+engine and through the router). `--json` also keeps every request's record under `requests`
+(when it was sent, TTFT, TPOT, prompt and cached tokens), to see which requests make a tail.
 
   .venv/bin/python bench/router.py --json bench/results/router.json
 
@@ -134,6 +135,18 @@ class SystemResult:
     """Sequences the engines preempted (recomputed later) for lack of KV blocks during the run."""
 
 
+def request_records(raw: list) -> list[dict]:
+    """Every request of a run in the order sent: its label, when it was sent (s after the first),
+    TTFT, TPOT, prompt and cached tokens, and its error if it failed."""
+    if not raw:
+        return []
+    t0 = min(r.sent for r in raw)
+    return [{"label": r.label, "sent_s": round(r.sent - t0, 3), "ttft_s": round(r.ttft, 3),
+             "tpot_ms": round(r.tpot * 1e3, 1), "prompt_tokens": r.prompt_tokens,
+             "cached_tokens": r.cached_tokens, "error": r.error}
+            for r in sorted(raw, key=lambda r: r.sent)]
+
+
 async def replay(url: str, engine_urls: list[str], model: str, trace: list[Conversation], max_tokens: int,
                  name: str, raw: list[RequestResult] | None = None) -> SystemResult:
     """Replay ``trace`` against ``url``; ``raw``, when given, receives every request's result."""
@@ -249,6 +262,7 @@ def main() -> int:
     served = "default" if args.model == "default" else args.model
     cores = os.cpu_count() or 1
     results: list[SystemResult] = []
+    records: dict[str, list[RequestResult]] = {}  # each system's requests, for the JSON's "requests"
     latency: dict = {}
     crosscheck: dict = {}
     decision: dict = {}
@@ -262,8 +276,9 @@ def main() -> int:
                                kv_events_base_port=args.base_port + 200, model=args.model, threads=cores,
                                kv_cache_bytes=big), cores)
         with Supervisor(specs, log_root / "single", ready_timeout_s=900, out=sys.stderr):
-            single = asyncio.run(replay(specs[0].url, [specs[0].url], served, trace, args.max_tokens,
-                                        f"single engine ({cores} threads, {big} B KV), direct"))
+            name = f"single engine ({cores} threads, {big} B KV), direct"
+            single = asyncio.run(replay(specs[0].url, [specs[0].url], served, trace, args.max_tokens, name,
+                                        raw=records.setdefault(name, [])))
             results.append(single)
             latency = asyncio.run(added_latency(specs[-1].url, specs[0].url, served, args.latency_requests))
             decision = router_decision_latency(specs[-1].url)
@@ -283,7 +298,7 @@ def main() -> int:
                             out=sys.stderr):
                 engine_urls = [s.url for s in specs[:-1]]
                 results.append(asyncio.run(replay(specs[-1].url, engine_urls, served, trace, args.max_tokens,
-                                                  name)))
+                                                  name, raw=records.setdefault(name, []))))
                 results[-1].router_rates = router_rates(specs[-1].url)
                 if results[-1].router_rates:
                     print(f"{name} measured engine rates: {results[-1].router_rates}", file=sys.stderr)
@@ -317,7 +332,8 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "machine": {"cpus": cores, "python": platform.python_version()},
             "results": [asdict(r) for r in results], "added_latency_s": latency,
-            "router_decision": decision, "crosscheck": crosscheck}, indent=2, default=str))
+            "router_decision": decision, "crosscheck": crosscheck,
+            "requests": {name: request_records(raw) for name, raw in records.items()}}, indent=2, default=str))
     return 0 if all(r.failed == 0 for r in results) else 1
 
 
