@@ -13,10 +13,8 @@
  * G <= 16. Returns -1 (nothing written) where that or the kernel's permission to use the tile
  * registers does not hold; the caller then runs the AVX-512 kernel.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "amx_attention.h"
 #include "kvmesh_cpu.h"
@@ -39,15 +37,14 @@ static void decode_item_amx(const cache_view *c, const uint16_t *q, const int32_
     int nseg = 0;
     int64_t npos = 0;
     if (shared > 0) {
-        sc->sg[nseg++] = (segment){block_tables + (int64_t)members[0] * bt_stride, 0, shared,
-                                   (__mmask16)((1u << R) - 1u), 0};
+        sc->sg[nseg++] = (segment){block_tables + (int64_t)members[0] * bt_stride, 0, shared, mask16(R), 0};
         npos = shared;
     }
     for (int s = 0; s < n; s++) {
         const int L = seq_lens[members[s]];
         if (L <= shared) continue;
         sc->sg[nseg++] = (segment){block_tables + (int64_t)members[s] * bt_stride, shared, L,
-                                   (__mmask16)(((1u << G) - 1u) << (s * G)), npos};
+                                   (__mmask16)(mask16(G) << (s * G)), npos};
         npos += ((int64_t)(L - shared) + 31) / 32 * 32;
     }
     attend_rows(c, qrow, orow, R, nseg, npos, _mm512_set1_epi32(INT32_MAX), sc);
