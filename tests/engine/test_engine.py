@@ -17,7 +17,7 @@ from kvmesh.engine.llm import LLM
 from kvmesh.engine.sampling import InvalidSamplingParams, SamplingParams
 from tests.support.residency import resident_pages
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # the default model in process
 
 
 @pytest.fixture(scope="module")

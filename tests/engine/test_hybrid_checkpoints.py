@@ -128,7 +128,7 @@ def test_preemption_resumes_from_checkpoints(hybrid_dir):
         assert res.token_ids == want
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 512 generated tokens, checked against transformers
 def test_second_turn_after_512_generated_tokens(hybrid_dir):
     """The multi-turn case the checkpoints are for: turn 1 generates 512 tokens, turn 2 extends its
     prompt and output by a short message and computes only the suffix after turn 1's last block."""

@@ -109,7 +109,7 @@ def test_repeated_prompts_hit_only_with_checkpoints(hybrid_dir, reference):
     _assert_parity(again, reference)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a larger random hybrid model against transformers
 def test_larger_random_model(tmp_path):
     """A larger random Qwen3.5 (8 layers, hidden 256, 2 attention layers): long prompts, chunked
     prefill at a budget that is not a block multiple, 48 greedy tokens each, against transformers."""

@@ -56,7 +56,7 @@ def test_triton_scan_cold_then_checkpoint_hits(hybrid_dir, reference):
     assert [r.token_ids for r in again] == [want for want, _ in reference]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the Triton scan in the interpreter over a whole prefill: about 15 s
 def test_all_triton_engine_chunked_prefill(hybrid_dir, reference, monkeypatch):
     """The engine's own choice: with the Triton backend (forced here, since a CPU engine refuses it;
     its attention, RMSNorm and RoPE kernels then run in the interpreter too) the model gets the

@@ -17,7 +17,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.llm import LLM
 from kvmesh.engine.sampling import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # the default model against transformers in every mode: about 5 min
 
 NEAR_TIE = 1e-3
 MAX_NEW = 24

@@ -40,7 +40,7 @@ def test_torture_fast(model_dir, loaded, node):  # noqa: F811
     _check(model_dir, loaded, node, Workload(requests=300, seed=1))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 10,000 requests through two engines and a cache node: about 100 s
 def test_torture_long(model_dir, loaded, node):  # noqa: F811
     rep = _check(model_dir, loaded, node, Workload(requests=10000, seed=2))
     assert rep.cycles_per_block > 1

@@ -12,7 +12,7 @@ import pytest
 SCRIPT = Path(__file__).with_name("_compile_sm90.py")
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # compiles every Triton kernel for sm90 without a GPU: about 60 s
 def test_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from cache

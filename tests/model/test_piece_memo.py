@@ -68,7 +68,7 @@ def test_short_texts_skip_the_memo(tiny):
     assert tiny._memo._piece.cache_info() == before
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # loads the default model's tokenizer
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(texts)
 def test_the_memo_gives_the_default_models_ids(smollm2, text):

@@ -299,7 +299,7 @@ def smollm2() -> Tokenizer:
     return Tokenizer.from_gguf(ensure_default_model(progress=False))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # loads the default model's tokenizer and transformers'
 def test_smollm2_chat_template_matches_transformers(smollm2):
     from transformers import AutoTokenizer
 
@@ -319,7 +319,7 @@ def test_smollm2_chat_template_matches_transformers(smollm2):
     assert smollm2.encode(MIXED_TEXT) == hf.encode(MIXED_TEXT, add_special_tokens=False)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # loads the default model's tokenizer and transformers'
 def test_smollm2_detokenizer_streams_exactly(smollm2):
     rng = random.Random(4)
     for _ in range(200):

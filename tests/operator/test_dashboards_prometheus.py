@@ -38,7 +38,7 @@ from tests.support.processes import ServerProcess
 
 from tests.support.prometheus import PrometheusProcess, PrometheusUnavailable, prometheus_binary
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # a real Prometheus and every dashboard panel: about 90 s
 
 NS, NAME = "serving", "llm"
 RATE_INTERVAL = "30s"  # 30 one-second scrapes: rates see the whole busy phase

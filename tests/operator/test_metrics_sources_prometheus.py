@@ -27,7 +27,7 @@ from tests.support.processes import ServerProcess
 
 from tests.support.prometheus import PrometheusProcess, PrometheusUnavailable, prometheus_binary
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # a real Prometheus scraping real engines: about 80 s
 
 WINDOW_S = 30
 PODS = ("llm-decode-5d8c7b9f4-aaaaa", "llm-decode-5d8c7b9f4-bbbbb")

@@ -21,7 +21,7 @@ from tests.support.processes import ServerProcess
 
 from tests.support.waits import nothing_held, wait_metric
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a router and real prefill and decode servers: about 90 s
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name a famous painter."]
 

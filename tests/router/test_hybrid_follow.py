@@ -42,6 +42,10 @@ def test_a_late_router_learns_checkpoints_from_the_snapshot_and_follows_them_acr
             try:
                 await asyncio.wait_for(sub.synced.wait(), 10)
                 assert index.match("e", H, restore_points=True).blocks == 6  # from the snapshot
+                # Synced means the snapshot arrived, not that the PUB socket has the subscription
+                # yet: what it sends before then is dropped, and a lost last record leaves no later
+                # one to reveal the gap (seen once under a loaded 2-core run).
+                await asyncio.sleep(1.0)
                 log.publish(checkpoint_stored([H[7]], BS))  # seq 3: dropped, then replayed
                 log.publish(checkpoint_removed([H[5]]))
                 await until(lambda: sub.last_seq == log.latest_seq, what="the stream")

@@ -18,7 +18,7 @@ from kvmesh.engine.util.metrics import parse_samples, sample_value
 from kvmesh.engine.util.localproc import free_port_pair
 from tests.support.processes import RouterProcess, ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # a router and real engines on the default model: about a minute
 
 SYSTEM = ("You are a meticulous assistant for a company that builds routers for language model fleets. "
           "Answer precisely, cite the relevant block of the manual, and never invent configuration flags. ")

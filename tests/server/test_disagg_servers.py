@@ -19,7 +19,7 @@ from tests.support.listening import listening_sockets
 from tests.support.processes import ServerProcess
 from tests.support.waits import nothing_held, wait_metric
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # prefill and decode servers: about 4.5 min
 
 QUESTION = "What is the capital of France?"
 

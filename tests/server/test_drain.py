@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.processes import ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # a real server process and the default model
 
 MAX_WAITING = 4
 LONG_TOKENS = 40

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # stalls and kills real peers many times: about 45 s
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -21,7 +21,7 @@ from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.util.metrics import parse_samples, sample_value
 from kvmesh.engine.util.localproc import free_port, free_port_run
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # kvmesh up with prefill and decode engines: about a minute
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
 

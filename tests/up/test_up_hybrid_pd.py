@@ -25,7 +25,7 @@ from kvmesh.engine.util.localproc import free_port, free_port_run
 from kvmesh.engine.util.metrics import parse_samples, sample_value
 from tests.support.tiny_hybrid import make_tiny_hybrid_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # kvmesh up disaggregating a hybrid model
 
 SERVE = ("--dtype=float32", "--block-size=4", "--num-kv-blocks=512", "--state-checkpoint-interval=16")
 QUESTIONS = ["The quick brown fox jumps over the lazy dog.", "Name three primary colors, please."]

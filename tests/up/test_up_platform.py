@@ -22,7 +22,7 @@ from kvmesh.engine.sampling import SamplingParams
 
 from kvmesh.engine.util.localproc import free_port, free_port_run
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # kvmesh up: a router and two engines on the default model
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
 MAX_TOKENS = 16
