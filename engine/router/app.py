@@ -159,6 +159,7 @@ class RouterApp:
         out: dict[str, Any] = {}
         for f in self._fleets():
             out.update(f.index.size())
+            out.update(f.routed.size())  # engines without KV events: the router's own record
         return out
 
     def _rates(self) -> dict[str, tuple[float | None, float | None]]:

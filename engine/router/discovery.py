@@ -36,6 +36,7 @@ from kvmesh.engine.router.index import PrefixIndex, PrefixMatch
 from kvmesh.engine.router.policies import Endpoint
 from kvmesh.engine.router.prompt import PromptInfo, common_hash_spec, max_hit_blocks
 from kvmesh.engine.router.rates import PrefillClock, decode_seconds_per_seq, interval_median
+from kvmesh.engine.router.routed import RoutedPrefixes
 
 log = logging.getLogger("kvmesh.router.discovery")
 
@@ -85,11 +86,13 @@ def membership_change(current: Iterable[str], wanted: Iterable[str]) -> tuple[li
 @dataclass(frozen=True)
 class EngineReport:
     """What one ``/metrics`` scrape tells the router: running + waiting sequences, free KV
-    blocks of the primary pool, the running batch, and the inter-token latency histogram's
-    cumulative buckets as (le, count), ascending (each None when the engine does not report it)."""
+    blocks of the primary pool and its size in blocks, the running batch, and the inter-token
+    latency histogram's cumulative buckets as (le, count), ascending (each None when the engine
+    does not report it)."""
 
     load: int | None = None
     free_blocks: int | None = None
+    num_blocks: int | None = None
     running: int | None = None
     itl_buckets: tuple[tuple[float, float], ...] | None = None
 
@@ -97,6 +100,7 @@ class EngineReport:
 _RUNNING_GAUGE = "kvmesh_num_requests_running"
 _LOAD_GAUGES = (_RUNNING_GAUGE, "kvmesh_num_requests_waiting")
 _FREE_BLOCKS_GAUGE = "kvmesh_kv_cache_free_blocks"
+_BLOCKS_GAUGE = "kvmesh_kv_cache_blocks"
 _ITL_BUCKET = "kvmesh_inter_token_latency_seconds_bucket"
 
 
@@ -106,7 +110,7 @@ def engine_report_from_metrics(text: str) -> EngineReport:
     A line scan instead of a full exposition parse: it runs every probe interval per engine.
     The name must end at ``{`` or a space, so a longer metric sharing the prefix never counts.
     """
-    load, free, seen_load = 0.0, None, False
+    load, free, total, seen_load = 0.0, None, None, False
     running: int | None = None
     itl: dict[float, float] = {}
     for line in text.splitlines():
@@ -120,15 +124,20 @@ def engine_report_from_metrics(text: str) -> EngineReport:
                 seen_load = True
                 if name == _RUNNING_GAUGE:
                     running = (running or 0) + int(value)
-        elif name == _FREE_BLOCKS_GAUGE and ('tier="' not in line or 'tier="gpu"' in line):
-            # Only the primary pool's row: blocks a decode engine can reserve for a transfer.
+        elif name in (_FREE_BLOCKS_GAUGE, _BLOCKS_GAUGE) and ('tier="' not in line or 'tier="gpu"' in line):
+            # Only the primary pool's rows: blocks a decode engine can reserve for a transfer, and
+            # the pool an engine's prefix cache lives in.
             with contextlib.suppress(ValueError, IndexError):
-                free = int(float(line.rsplit(" ", 1)[1]))
+                value = int(float(line.rsplit(" ", 1)[1]))
+                if name == _BLOCKS_GAUGE:
+                    total = value
+                else:
+                    free = value
         elif name == _ITL_BUCKET:
             with contextlib.suppress(ValueError, IndexError):
                 le = float(line.split('le="', 1)[1].split('"', 1)[0])
                 itl[le] = itl.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
-    return EngineReport(int(load) if seen_load else None, free, running,
+    return EngineReport(int(load) if seen_load else None, free, total, running,
                         tuple(sorted(itl.items())) if itl else None)
 
 
@@ -175,6 +184,7 @@ class EngineState:
     queued_prefill_tokens: int = 0
     reported_load: int = 0
     free_blocks: int | None = None
+    num_blocks: int | None = None
     info: dict[str, Any] | None = None
     subscriber: Any = None
     task: asyncio.Task | None = None
@@ -190,6 +200,8 @@ class EngineState:
             self.reported_load = report.load
         if report.free_blocks is not None:
             self.free_blocks = report.free_blocks
+        if report.num_blocks is not None:
+            self.num_blocks = report.num_blocks
         if report.itl_buckets is not None:
             per_seq = decode_seconds_per_seq(interval_median(self.itl_seen, report.itl_buckets), report.running)
             if per_seq is not None:
@@ -261,6 +273,7 @@ class Fleet:
     probe_timeout_s: float = 2.0
     subscriber_factory: SubscriberFactory = default_subscriber_factory
     index: PrefixIndex = field(default_factory=PrefixIndex)
+    routed: RoutedPrefixes = field(default_factory=RoutedPrefixes)  # for engines without events
     engines: dict[str, EngineState] = field(default_factory=dict)
     on_removed: Callable[[str], None] = lambda url: None
     # The router's tokenizer fingerprint: an engine reporting another tokenizes prompts into
@@ -292,10 +305,28 @@ class Fleet:
         hashes = info.hashes(block_size, extra)
         # A hybrid engine cuts its hit back from where its lookup stops, so stop there too.
         looked_up = hashes[:max_hit_blocks(len(info.token_ids), block_size)]
-        return {url: self.index.match(url, looked_up, restore_points=True) if st.hybrid
+        return {url: self.routed.match(url, hashes) if self.routed_only(st)
+                else self.index.match(url, looked_up, restore_points=True) if st.hybrid
                 else self.index.match(url, hashes)
-                for url, st in self.engines.items()
-                if st.block_size == block_size and st.extra == extra and self._same_chain(st)}, block_size
+                for url, st in self.engines.items() if self._matchable(st, block_size, extra)}, block_size
+
+    def note_routed(self, url: str, info: PromptInfo) -> None:
+        """``info``'s prompt was sent to ``url``: the record that stands in for the KV events of an
+        engine that publishes none (engine/router/routed.py)."""
+        st = self.engines.get(url)
+        spec = self._hash_spec() if st is not None and self.routed_only(st) and info.token_ids else None
+        if spec is None or not self._matchable(st, *spec):
+            return
+        self.routed.record(url, info.hashes(*spec), st.num_blocks)
+
+    def routed_only(self, st: EngineState) -> bool:
+        """The router's record of what it sent is ``st``'s prefix signal: its KV info is loaded and
+        it publishes no events (or this router does not follow them). A hybrid engine is left out:
+        its hits also need checkpoints that only its events report."""
+        return bool(st.info) and not st.hybrid and not (self.track_kv and st.info.get("kv_events"))
+
+    def _matchable(self, st: EngineState, block_size: int, extra: bytes) -> bool:
+        return st.block_size == block_size and st.extra == extra and self._same_chain(st)
 
     def _same_chain(self, st: EngineState) -> bool:
         return st.chain is None and (self.tokenizer is None or st.tokenizer in (None, self.tokenizer))
@@ -392,6 +423,7 @@ class Fleet:
             return
         await self._stop_subscriber(state)
         self.index.remove_engine(url)
+        self.routed.remove_engine(url)
         self.on_removed(url)
 
     # ---- health --------------------------------------------------------------------------
@@ -458,6 +490,7 @@ class Fleet:
         await self._stop_subscriber(state)
         if self._current(state):
             self.index.remove_engine(state.url)
+            self.routed.remove_engine(state.url)
             state.info, state.chain = None, None
 
     async def _load_info(self, state: EngineState, timeout: aiohttp.ClientTimeout) -> None:

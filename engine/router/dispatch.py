@@ -115,7 +115,8 @@ class Dispatcher:
         ``receiving_only`` keeps the engines that report a KV transfer port (decode engines);
         ``turn`` rotates ties (default: the router's own counter; a pool picked in step with
         another needs its own, or ties would rotate in lockstep and always land on one engine).
-        A session is bound to the engine chosen for it.
+        A session is bound to the engine chosen for it, and the prompt is recorded on it where
+        the engine publishes no KV events (``Fleet.note_routed``).
         """
         if receiving_only:
             endpoints = [st.endpoint() for st in fleet.engines.values() if st.transfer_port is not None]
@@ -130,6 +131,8 @@ class Dispatcher:
             log.debug("pick %s for %d prompt tokens: %s", chosen, req.prompt_tokens, explain(req, endpoints, scores))
         if chosen is not None and session:
             self.sessions.bind(session, chosen, now)
+        if chosen is not None:
+            fleet.note_routed(chosen, info)
         m = matches.get(chosen) if chosen else None
         predicted = matched_tokens(m.blocks, block_size, len(info.token_ids)) if m and info.token_ids else 0
         return chosen, predicted

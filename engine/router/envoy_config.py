@@ -120,7 +120,8 @@ def duplex_mode(body_mode: str) -> bool:
 def gateway_config(listen: str, picker: str, body_mode: str = "FULL_DUPLEX_STREAMED", *,
                    failure_mode_allow: bool = False, fallback: Sequence[str] = (),
                    message_timeout_s: float = 10.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                   admin: str | None = None, observer: bool = True) -> dict[str, Any]:
+                   admin: str | None = None, observer: bool = True,
+                   response_body: bool = True) -> dict[str, Any]:
     """Envoy listening on ``listen`` (HOST:PORT), asking the picker at ``picker`` (HOST:PORT) where
     each request goes. ``message_timeout_s`` bounds each picker answer (the pick of a long prompt
     waits for its tokenization; Envoy's default of 200 ms is too short for megabyte prompts).
@@ -129,7 +130,9 @@ def gateway_config(listen: str, picker: str, body_mode: str = "FULL_DUPLEX_STREA
     and a larger one gets the picker's 413 in OpenAI's format.
     ``observer``: follow responses with a second ext_proc filter in observability mode, off the
     request's path (engine/router/extproc_observe.py); False: one filter reads the response too, as
-    GIE's reference gateway does (two or three more waits on the picker per request)."""
+    GIE's reference gateway does (two or three more waits on the picker per request).
+    ``response_body``: False, that one filter reads the response headers only (response body NONE,
+    trailers SKIP; a common GIE wiring): the engine's load is then released when the headers pass."""
     if body_mode not in BODY_MODES:
         raise ValueError(f"body_mode {body_mode!r}: use one of {', '.join(BODY_MODES)}")
     if failure_mode_allow and duplex_mode(body_mode):
@@ -146,6 +149,8 @@ def gateway_config(listen: str, picker: str, body_mode: str = "FULL_DUPLEX_STREA
             "response_trailer_mode": "SEND" if duplex else "SKIP"}
     if observer:
         mode.update(response_header_mode="SKIP", response_body_mode="NONE", response_trailer_mode="SKIP")
+    elif not response_body:
+        mode.update(response_body_mode="NONE", response_trailer_mode="SKIP")
     ext_proc = {"name": "envoy.filters.http.ext_proc", "typed_config": {
         "@type": _EXT_PROC, "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
         "failure_mode_allow": failure_mode_allow, "message_timeout": f"{message_timeout_s:g}s",
@@ -199,11 +204,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fallback", default="", metavar="HOST:PORT,...", help="where requests without a pick go")
     ap.add_argument("--no-observer", action="store_true",
                     help="one ext_proc filter reads the response too (GIE's reference wiring; slower)")
+    ap.add_argument("--no-response-body", action="store_true",
+                    help="with --no-observer: that filter reads the response headers only")
     args = ap.parse_args(argv)
     fallback = [f for f in args.fallback.split(",") if f]
     try:
         config = gateway_config(args.listen, args.picker, args.body_mode, failure_mode_allow=args.failure_mode_allow,
-                                fallback=fallback, observer=not args.no_observer)
+                                fallback=fallback, observer=not args.no_observer,
+                                response_body=not args.no_response_body)
     except ValueError as e:
         ap.error(str(e))
     print(yaml.safe_dump(config, sort_keys=False), end="")

@@ -175,10 +175,18 @@ class PickerStream:
         abandoned request is then released by the observer's end or the orphan timer. Otherwise a
         stream cancelled while its request held an engine was abandoned.
 
+        A filter that reads the response headers but not its body (``response_body_mode`` NONE,
+        GIE's common wiring) releases the engine when its stream ends after them.
+
         Why not trust ``clean`` alone: Envoy 1.40 often resets a full-duplex stream it has finished
         with instead of half-closing it, so a cancel can arrive before the observer's first message
         in a perfectly healthy request."""
         if self.observed:
+            return
+        if self.response_seen and self.response_mode == epp.BODY_NONE:
+            # The response headers were the last this filter is sent (no body, no trailers): the
+            # request is counted by their status, not as abandoned, whatever ended the stream.
+            self.finish()
             return
         observer_owned = clean or self.response_mode == epp.BODY_NONE
         if observer_owned and self.picks is not None and self.pick_id and not self.response_seen:

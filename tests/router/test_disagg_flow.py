@@ -139,8 +139,8 @@ def test_end_to_end_ttft_spans_both_stages_and_tpot_the_decode_engines_stream(pd
 def test_decode_no_room_moves_the_request_to_another_decode_engine(pd, stream):
     full, free = FakeDecode("full", room=False), FakeDecode("free")
     c = pd([FakePrefill("p0")], [full, free])
-    for _ in range(4):  # ties between the decode engines rotate, so "full" is offered some of them
-        assert answered_by(completion(c.url, stream=stream), stream) == "free"
+    for i in range(4):  # prompts unlike each other tie, ties rotate, so "full" is offered some of them
+        assert answered_by(completion(c.url, f"{i} hello world", stream=stream), stream) == "free"
     assert c.metric("kvmesh_router_pd_decode_refusals_total", engine=full.url) >= 1
     assert full.requests == []
 
@@ -199,8 +199,8 @@ def test_a_decode_engine_the_transfer_failed_on_is_taken_out(pd, failure):
     bad = FakeDecode("bad", fail_transfer=True) if failure == "fail_transfer" else FakeDecode("bad", reachable=False)
     good = FakeDecode("good")
     c = pd([FakePrefill("p0")], [bad, good])
-    for _ in range(4):
-        assert answered_by(completion(c.url), False) == "good"
+    for i in range(4):  # prompts unlike each other tie, and ties rotate over both engines
+        assert answered_by(completion(c.url, f"{i} hello world"), False) == "good"
         if c.metric("kvmesh_router_pd_stage1_total", outcome="decode_failed"):
             break
         for st in c.app.fleet.engines.values():  # a probe may not have brought it back yet
@@ -214,8 +214,8 @@ def test_a_decode_engine_that_refuses_a_transfer_is_avoided_for_that_request_onl
     request moves to another decode engine, and the refusing one stays in the fleet."""
     picky, good = FakeDecode("picky", refuse_transfer=True), FakeDecode("good")
     c = pd([FakePrefill("p0")], [picky, good])
-    for _ in range(4):
-        assert answered_by(completion(c.url), False) == "good"
+    for i in range(4):  # prompts unlike each other tie, and ties rotate over both engines
+        assert answered_by(completion(c.url, f"{i} hello world"), False) == "good"
     assert c.metric("kvmesh_router_pd_stage1_total", outcome="decode_refused") >= 1
     assert c.metric("kvmesh_router_pd_stage1_total", outcome="decode_failed") == 0
     assert c.app.fleet.engines[picky.url].healthy
@@ -228,10 +228,10 @@ def test_a_failed_prefill_engine_is_replaced_by_another(pd, failure, stream):
                 else Behavior(mode="status", status=int(failure)))
     bad, good, d0 = FakePrefill("bad", behavior), FakePrefill("good"), FakeDecode("d0")
     c = pd([bad, good], [d0])
-    for _ in range(4):
+    for i in range(4):  # prompts unlike each other tie, and ties rotate over both prefill engines
         for st in c.app.prefill_fleet.engines.values():  # a 503 or a lost connection takes it out
             st.healthy = True
-        assert answered_by(completion(c.url, stream=stream), stream) == "d0"
+        assert answered_by(completion(c.url, f"{i} hello world", stream=stream), stream) == "d0"
         if bad.requests:
             break
     assert bad.requests and c.metric("kvmesh_router_pd_stage1_total", outcome="prefill_failed") >= 1
@@ -265,10 +265,10 @@ def test_stage_two_lost_before_its_first_byte_starts_over_with_a_new_transfer(pd
     good, p0 = FakeDecode("good"), FakePrefill("p0")
     c = pd([p0], [bad, good])
     reason = "transfer_not_found" if failure == "transfer_not_found" else "disconnect"
-    for _ in range(4):
+    for i in range(4):  # prompts unlike each other tie, and ties rotate over both decode engines
         for st in c.app.fleet.engines.values():
             st.healthy = True
-        assert answered_by(completion(c.url, stream=stream), stream) == "good"
+        assert answered_by(completion(c.url, f"{i} hello world", stream=stream), stream) == "good"
         if c.metric("kvmesh_router_pd_restarts_total", reason=reason):
             break
     assert c.metric("kvmesh_router_pd_restarts_total", reason=reason) >= 1

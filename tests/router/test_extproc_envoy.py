@@ -94,7 +94,7 @@ def test_requests_go_where_the_picker_says_and_streams_pass_through(picker, mode
     try:
         seen = set()
         for i in range(4):
-            r = httpx.post(url + "/v1/completions", json=body(f"hello {i}"), timeout=10)
+            r = httpx.post(url + "/v1/completions", json=body(f"{i} hello"), timeout=10)  # no shared prefix
             assert r.status_code == 200, (r.text, env.log_tail())
             served = r.headers[epp.SERVED]
             engine = next(e for e in picker.engines if e.name == r.json()["engine"])

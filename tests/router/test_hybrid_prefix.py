@@ -55,7 +55,7 @@ def test_checkpoints_never_count_as_kv_blocks():
 def _fleet(hybrid: bool) -> Fleet:
     fleet = Fleet(session=None, urls=["http://e"])  # type: ignore[arg-type]  # no I/O in prefix_matches
     fleet.engines["http://e"] = EngineState("http://e", healthy=True, info={
-        "engine_id": "x", "block_size": BS, "extra_key": EXTRA.hex(), "hybrid": hybrid})
+        "engine_id": "x", "block_size": BS, "extra_key": EXTRA.hex(), "hybrid": hybrid, "kv_events": {"port": 1}})
     return fleet
 
 

@@ -271,7 +271,7 @@ def test_streamed_requests_time_the_engines_prefill_from_queue_to_first_token(cl
     wait_for(lambda: st.inflight == 0, "the stream's lease released", timeout=5)
     assert st.queued_prefill_tokens == 0 and st.prefill.busy_since is None
     assert 190 <= st.prefill.estimate.units <= 210 and st.prefill.estimate.seconds > 0
-    completion(c.url, prompt)  # not streamed: the whole body is the first token
+    completion(c.url, "y" * 200)  # not streamed: the whole body is the first token (another prompt: uncached)
     assert st.prefill.estimate.units > 300 and st.prefill.seconds_per_token() is not None
     assert c.metric("kvmesh_router_engine_prefill_seconds_per_token", engine=st.url) > 0
 

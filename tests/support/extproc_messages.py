@@ -29,13 +29,16 @@ ADDRS = ("10.0.0.1:8000", "10.0.0.2:8000")
 LIMIT = 64 << 10
 
 
-def make_app(policy: str = "cache-aware", shed: int = 0) -> RouterApp:
+def make_app(policy: str = "cache-aware", shed: int = 0, kv_events: bool = True) -> RouterApp:
+    """``kv_events``: the engines say they publish KV events (their prefixes are what the tests put
+    in the index); False: they publish none, and the router's record of its picks stands in."""
     settings = RouterSettings(policy=policy, engines=URLS, max_request_bytes=LIMIT,
                               load=LoadModel(shed_running=shed))
     app = RouterApp(settings, FakeTokenizer())
     fleet = Fleet(session=None, urls=list(URLS))  # type: ignore[arg-type] - the picker never does I/O
     for u in URLS:
-        fleet.engines[u] = EngineState(u, healthy=True, info={"block_size": BLOCK_SIZE, "extra_key": EXTRA.hex()})
+        fleet.engines[u] = EngineState(u, healthy=True, info={"block_size": BLOCK_SIZE, "extra_key": EXTRA.hex(),
+                                                              "kv_events": {"port": 1} if kv_events else None})
     app.dispatch.fleet = fleet
     return app
 
