@@ -241,16 +241,23 @@ def status_line(child: Child) -> str:
         samples = None
     if samples is None:
         return line + "  (metrics unavailable)"
+    def value(name: str, **labels: str) -> float | None:
+        try:
+            return sample_value(samples, name, **labels)
+        except ValueError:
+            return None
+
     parts = []
     for label, name, scale in (("running", "kvmesh_num_requests_running", 1),
                                ("waiting", "kvmesh_num_requests_waiting", 1),
                                ("kv%", "kvmesh_kv_cache_usage_ratio", 100),
                                ("gen_tokens", "kvmesh_generation_tokens_total", 1)):
-        try:
-            v = sample_value(samples, name)
-        except ValueError:
-            v = None
+        v = value(name)
         parts.append(f"{label}={'-' if v is None else f'{v * scale:.0f}'}")
+    # Prompt tokens served from this engine's KV cache: what the router's cache-aware pick earns.
+    hits = value("kvmesh_prefix_cache_hits_total", tier="gpu")
+    queries = value("kvmesh_prefix_cache_queries_total", tier="gpu")
+    parts.append(f"cache_hit%={f'{100 * hits / queries:.0f}' if hits is not None and queries else '-'}")
     return line + "  " + " ".join(parts)
 
 

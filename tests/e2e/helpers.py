@@ -89,9 +89,9 @@ class Cluster:
                 "PATH": f"{path}{os.pathsep}{os.environ.get('PATH', '')}"}
 
     def run(self, *argv: str, check: bool = True, env: dict | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess:
+            timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
         result = subprocess.run(list(argv), env=env or self.env, capture_output=True, text=True,
-                                timeout=timeout)
+                                timeout=timeout, cwd=cwd)
         if check and result.returncode != 0:
             raise AssertionError(f"{' '.join(argv)} failed ({result.returncode}):\n"
                                  f"{result.stdout}\n{result.stderr}")

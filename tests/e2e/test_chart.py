@@ -4,11 +4,14 @@ and its ServiceAccount's RBAC is enough for the operator (and no more)."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 from kubernetes import client
+
+from tests.support.readme import readme_line
 
 from .helpers import IMAGE, ROOT, OperatorProcess, condition, wait_until
 
@@ -102,12 +105,15 @@ def test_template_options(cluster, helm_home):
 
 @pytest.fixture(scope="module")
 def installed(cluster, helm_home):
-    """The chart installed as a user would; uninstalled when the module ends."""
+    """The chart installed with the README's command, run from the repository root as written
+    (plus --wait, and the image when KVMESH_E2E_IMAGE names another); uninstalled when the
+    module ends."""
+    argv = shlex.split(readme_line("bash", "helm install "))
+    assert argv[:4] == ["helm", "install", RELEASE, "charts/kvmesh"] and RELEASE_NS in argv, argv
     repository, tag = IMAGE.rsplit(":", 1)
-    cluster.helm("upgrade", "--install", RELEASE, str(CHART), "-n", RELEASE_NS,
-                 "--create-namespace", "--wait", "--timeout", "120s",
+    cluster.helm(*argv[1:], "--wait", "--timeout", "120s",
                  "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-                 home=helm_home, timeout=180)
+                 home=helm_home, timeout=180, cwd=ROOT)
     yield
     cluster.helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", home=helm_home,
                  check=False, timeout=180)

@@ -230,7 +230,13 @@ def test_status_line_reads_an_engines_load_from_its_metrics(tmp_path: Path) -> N
     from kvmesh.up import Child, status_line
 
     exposition = (b"# TYPE kvmesh_num_requests_running gauge\nkvmesh_num_requests_running 3\n"
-                  b"# TYPE kvmesh_kv_cache_usage_ratio gauge\nkvmesh_kv_cache_usage_ratio 0.25\n")
+                  b"# TYPE kvmesh_kv_cache_usage_ratio gauge\nkvmesh_kv_cache_usage_ratio 0.25\n"
+                  b"# TYPE kvmesh_prefix_cache_hits counter\n"
+                  b'kvmesh_prefix_cache_hits_total{model_name="m",tier="gpu"} 300\n'
+                  b'kvmesh_prefix_cache_hits_total{model_name="m",tier="cpu"} 5\n'
+                  b"# TYPE kvmesh_prefix_cache_queries counter\n"
+                  b'kvmesh_prefix_cache_queries_total{model_name="m",tier="gpu"} 400\n'
+                  b'kvmesh_prefix_cache_queries_total{model_name="m",tier="cpu"} 100\n')
 
     class Metrics(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
@@ -247,7 +253,7 @@ def test_status_line_reads_an_engines_load_from_its_metrics(tmp_path: Path) -> N
     try:
         url = f"http://127.0.0.1:{httpd.server_address[1]}"
         line = status_line(Child(ProcSpec("engine-0", (), url), tmp_path / "log", SimpleNamespace(pid=7), ready=True))
-        assert "running=3 waiting=- kv%=25 gen_tokens=-" in line and url in line
+        assert "running=3 waiting=- kv%=25 gen_tokens=- cache_hit%=75" in line and url in line
     finally:
         httpd.shutdown()
         httpd.server_close()

@@ -21,6 +21,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.sampling import SamplingParams
 
 from kvmesh.engine.util.localproc import free_port, free_port_run
+from tests.support.readme import readme_block
 
 pytestmark = pytest.mark.slow  # kvmesh up: a router and two engines on the default model
 
@@ -82,6 +83,25 @@ def test_a_repeated_long_prompt_goes_to_the_engine_that_cached_it(platform) -> N
     again = client.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=0)
     assert first.usage.prompt_tokens > 160
     assert again.usage.prompt_tokens_details.cached_tokens >= 160
+
+
+def test_the_readmes_curl_and_openai_calls_answer(platform, offline) -> None:
+    """The README's curl and openai-client snippets, run as written, on `kvmesh up`'s port."""
+    import json
+
+    _proc, url, _ = platform
+    curl = readme_block("bash", "curl ").replace("http://127.0.0.1:8000", url)
+    got = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=600, check=True)
+    body = json.loads(got.stdout)
+    question = [{"role": "user", "content": "What is a KV cache?"}]
+    want = offline.generate([offline.engine.tokenizer.apply_chat_template(question)],
+                            SamplingParams(max_tokens=32, temperature=0.0))[0]
+    assert body["choices"][0]["message"]["content"] == want.text, body
+    snippet = readme_block("python", "from openai import OpenAI").replace("http://127.0.0.1:8000", url)
+    out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=600,
+                         check=True).stdout.strip()
+    text, cached = out.rsplit(" ", 1)
+    assert text == want.text.strip() and int(cached) >= 0, out
 
 
 def test_sigterm_stops_every_process_and_exits_zero(platform) -> None:
