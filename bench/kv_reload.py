@@ -31,6 +31,7 @@ import time
 import torch
 
 from kv_tiers import SUFFIX, start_node, tokens, ttft, wait_written
+from kv_reload_http import run_http
 from kv_transfer import socket_gbps
 
 from kvmesh.engine.config import EngineConfig
@@ -46,14 +47,28 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--path", choices=("lane", "ucx"), default="lane")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--http", action="store_true",
+                    help="the path a user sees: two `kvmesh serve --cache-node` processes, the client's TTFT on "
+                         "the second (bench/kv_reload_http.py)")
+    ap.add_argument("--fresh-b", action="store_true", help="with --http: a new engine B for every repeat")
+    ap.add_argument("--before", metavar="DIR", help="with --http: also run engine B from this checkout")
     args = ap.parse_args()
     # Before the node starts (it inherits them) and before this process's first ucxx call.
     os.environ.update(KVMESH_KV_SHM="1" if args.path == "lane" else "0", UCX_WARN_UNUSED_ENV_VARS="n")
     apply_ucx_defaults()
     loaded = load_model("default", getattr(torch, args.dtype))
     n = args.tokens // 16 * 16
-    proc, port = start_node(str(64 * n * 1024))
+    proc, port = start_node(str(256 * n * 1024))  # room for several fp32 prefixes
     try:
+        if args.http:
+            cfg = loaded.config
+            nbytes = n * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim \
+                * torch.finfo(getattr(torch, args.dtype)).bits // 8
+            sock = statistics.median(socket_gbps(nbytes, max(3, args.repeat)))
+            print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores, {n} tokens = "
+                  f"{nbytes / 1e6:.1f} MB of {args.dtype} KV, path {args.path}, socket {sock:.2f} GB/s", flush=True)
+            run_http(args, port, n, nbytes, loaded.config.vocab_size, sock, tokens)
+            return 0
         llm = LLM(engine=LLMEngine(EngineConfig(model="default", dtype=args.dtype, device="cpu",
                                                 num_kv_blocks=n // 16 + 64, cache_node=f"127.0.0.1:{port}",
                                                 cache_node_timeout=60.0), loaded=loaded))

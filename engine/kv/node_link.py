@@ -76,13 +76,29 @@ class CacheNodeLink:
         self._resolving = False
         self._last_attempt = -float("inf")
         self._closed = False
+        self._first = threading.Event()  # the first resolve (and its connections) finished, either way
         self.peer: str | None = None
-        self.staging = StagingPool()
+        # Room for a longest prompt's fetch and the halves below it: a reload that misses every
+        # warm buffer lands in fresh memory and pays its page faults inside the TTFT.
+        self.staging = StagingPool(max_free_bytes=max(512 << 20, 2 * max_fetch_bytes))
         """Where fetches land; the remote tier hands each batch back once it is in the KV cache."""
+        self._warming: threading.Thread | None = None
         if max_fetch_bytes:
-            threading.Thread(target=self.staging.warm, args=(max_fetch_bytes,), name="kvmesh-staging-warm",
-                             daemon=True).start()
+            self._warming = threading.Thread(target=self.staging.warm, args=(max_fetch_bytes,),
+                                             name="kvmesh-staging-warm", daemon=True)
+            self._warming.start()
         self.resolve_async()
+
+    def wait_first(self, timeout: float) -> bool:
+        """Wait (at most ``timeout``) for the first resolve, its warm connections and the warm staging
+        buffers: an engine that starts beside a running node is ready with them, so its first
+        request is a reload at full speed, not a recompute behind a connect. True when linked."""
+        deadline = time.monotonic() + timeout
+        self._first.wait(timeout)
+        if self._warming is not None:  # its page faults would otherwise land beside the first reload
+            self._warming.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            return self._clients is not None
 
     def clients(self) -> tuple[Any, Any] | None:
         with self._lock:
@@ -109,6 +125,12 @@ class CacheNodeLink:
 
     def _resolve(self) -> None:
         try:
+            self._link()
+        finally:
+            self._first.set()
+
+    def _link(self) -> None:
+        try:
             addr, ucx_port = resolve_node(self.host, self.port, timeout=min(2.0, self.timeout), token=self.token())
         except (OSError, urllib.error.URLError, ValueError) as e:
             log.warning("cache node %s unreachable (%s); requests recompute until it is back", self.address, e)
@@ -125,6 +147,7 @@ class CacheNodeLink:
             if self._loop is None:
                 self._loop = shared_loop()
             old, same = self._clients, self.peer == f"{addr}:{ucx_port}"
+            fresh = None
             if not same or old is None:
                 self._clients = (KVClient(addr, ucx_port, loop=self._loop, max_pending=64, max_connections=2,
                                           timeout=self.timeout, connect_timeout=min(2.0, self.timeout), token=self.token,
@@ -132,6 +155,7 @@ class CacheNodeLink:
                                  KVClient(addr, ucx_port, loop=self._loop, max_pending=8, max_connections=1,
                                           timeout=self.timeout, connect_timeout=min(2.0, self.timeout), token=self.token))
                 self.peer = f"{addr}:{ucx_port}"
+                fresh = self._clients
                 log.info("cache node %s: UCX %s", self.address, self.peer)
             else:
                 old = None
@@ -139,6 +163,20 @@ class CacheNodeLink:
         if old is not None:
             for c in old:
                 c.close(timeout=1.0)
+        if fresh is not None:
+            self._warm(fresh)
+
+    def _warm(self, clients: tuple[Any, Any]) -> None:
+        """One connection of each client opened now (the fetch's and the save's)."""
+        from ..transfer.errors import TransferError
+
+        futs = [c.warm(1) for c in clients]
+        for f in futs:
+            try:
+                f.result(self.timeout + 1.0)
+            except (TransferError, OSError, TimeoutError) as e:  # the first request connects (or fails) itself
+                log.warning("cache node %s: no connection yet (%s: %s)", self.address, type(e).__name__, e)
+                return
 
     def close(self) -> None:
         with self._lock:

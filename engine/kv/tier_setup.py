@@ -42,6 +42,7 @@ def build_tiers(cfg: EngineConfig, kv: KVCacheManager, kv_cache: torch.Tensor,
         max_fetch = min(kv_cache.shape[2], (max_model_len - 1) // bs) * block_bytes
         link = CacheNodeLink(cfg.cache_node, timeout=cfg.cache_node_timeout,
                              token=lambda: token.token if token is not None else None, max_fetch_bytes=max_fetch)
+        link.wait_first(min(cfg.cache_node_timeout, 5.0))
         remote = RemoteTier(link.clients, cache_layout(kv.extra, kv_cache), shape, kv_cache.dtype,
                             timeout=cfg.cache_node_timeout, on_failure=link.on_failure, staging=link.staging)
     return KVTiers(kv, kv_cache, host, remote), link

@@ -31,6 +31,14 @@ class ChatTemplateError(ValueError):
     """The model has no chat template, or the messages cannot be rendered with it."""
 
 
+def _byte_fallback_ids(backend: Any) -> frozenset[int]:
+    decoder = json.loads(backend.to_str()).get("decoder")
+    if "ByteFallback" not in json.dumps(decoder):
+        return frozenset()
+    vocab = backend.get_vocab(with_added_tokens=False)
+    return frozenset(i for t, i in vocab.items() if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
+
+
 class TokenizerLoadError(RuntimeError):
     """A tokenizer could not be built from the given file or directory."""
 
@@ -157,7 +165,9 @@ class Tokenizer:
         self.special_token_ids: frozenset[int] = frozenset(
             [i for i, t in added.items() if t.special] + list(hf_tokenizer.all_special_ids)
         )
-        self._byte_fallback_ids: frozenset[int] | None = None
+        # At load, not on the first request: it serializes the whole tokenizer (~0.1 s, a fresh
+        # engine's first TTFT paid it).
+        self._byte_fallback_ids = _byte_fallback_ids(backend)
         self._memo = PieceMemo.for_backend(backend)
 
     @property
@@ -169,15 +179,6 @@ class Tokenizer:
         run has ended. Empty for byte-level (GPT-2 style) tokenizers, whose
         decoding is local.
         """
-        if self._byte_fallback_ids is None:
-            decoder = json.loads(self._backend.to_str()).get("decoder")
-            if "ByteFallback" in json.dumps(decoder):
-                vocab = self._backend.get_vocab(with_added_tokens=False)
-                self._byte_fallback_ids = frozenset(
-                    i for t, i in vocab.items() if len(t) == 6 and t.startswith("<0x") and t.endswith(">")
-                )
-            else:
-                self._byte_fallback_ids = frozenset()
         return self._byte_fallback_ids
 
     # ---- construction ------------------------------------------------------------------------------------------

@@ -313,6 +313,9 @@ class AsyncEngine:
                 # request above or the wait returns at once.
                 self._wake.wait(timeout=0.5 if engine.has_timers() else 1.0)
                 self._wake.clear()
+                # Counters also move between steps (a cache node confirming a write-through):
+                # an idle engine's /metrics must not stay at its last step's figures.
+                self.stats = engine.stats()
                 continue
             before = self.stats.num_steps if self.stats is not None else -1
             outs = engine.step()

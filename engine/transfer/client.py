@@ -98,26 +98,44 @@ class AsyncKVClient:
 
     # ---- requests -------------------------------------------------------------------------------
     async def put(self, blocks: Sequence[KVBlock], timeout: float | None = None) -> list[str]:
-        """Store ``blocks`` (one layout); per block one of ``protocol.PUT_STATUSES``."""
+        """Store ``blocks`` (one layout); per block one of ``protocol.PUT_STATUSES``.
+
+        A node takes at most its per-put share (``--max-put``) of one offer and answers ``no_room``
+        for the rest, so the blocks it had no room for are offered again on the same connection
+        once the first ones have arrived (their room is free again), until every block has an
+        answer or a round makes no progress (the node's whole in-flight room is taken by others:
+        those blocks stay ``no_room``)."""
         if not blocks:
             return []
-        batch = BlockBatch.of([b.header for b in blocks])
-        check_batch(batch)  # refuse locally what the server would refuse
+        check_batch(BlockBatch.of([b.header for b in blocks]))  # refuse locally what the server would refuse
 
-        async def run(ch: Channel) -> list[str]:
-            await ch.send(protocol.PutOffer(batch))
+        async def offer(ch: Channel, part: Sequence[KVBlock]) -> list[str]:
+            await ch.send(protocol.PutOffer(BlockBatch.of([b.header for b in part])))
             want = await ch.expect(protocol.PutWant)
             if isinstance(want, protocol.ErrorReply):
                 raise_error_reply(want)
-            if len(want.want) != len(blocks):
-                raise ProtocolError(f"{self.peer} answered a {len(blocks)}-block offer with {len(want.want)} flags")
-            await ch.send_payloads([b.data for b, w in zip(blocks, want.want) if w])
+            if len(want.want) != len(part):
+                raise ProtocolError(f"{self.peer} answered a {len(part)}-block offer with {len(want.want)} flags")
+            await ch.send_payloads([b.data for b, w in zip(part, want.want) if w])
             done = await ch.expect(protocol.PutDone)
             if isinstance(done, protocol.ErrorReply):
                 raise_error_reply(done)
-            if len(done.statuses) != len(blocks):
-                raise ProtocolError(f"{self.peer} sent {len(done.statuses)} put statuses for {len(blocks)} blocks")
+            if len(done.statuses) != len(part):
+                raise ProtocolError(f"{self.peer} sent {len(done.statuses)} put statuses for {len(part)} blocks")
             return list(done.statuses)
+
+        async def run(ch: Channel) -> list[str]:
+            statuses = [protocol.NO_ROOM] * len(blocks)
+            todo = list(range(len(blocks)))
+            while todo:
+                got = await offer(ch, [blocks[i] for i in todo])
+                for i, s in zip(todo, got):
+                    statuses[i] = s
+                again = [i for i, s in zip(todo, got) if s == protocol.NO_ROOM]
+                if len(again) == len(todo):
+                    break
+                todo = again
+            return statuses
 
         return await self._request(run, timeout, f"put of {len(blocks)} blocks")
 
@@ -361,6 +379,15 @@ class AsyncKVClient:
         if isinstance(reply, protocol.ErrorReply):
             raise AuthFailed(f"KV peer {self.peer} refused this side's token: {reply.message}")
 
+    async def warm(self, n: int = 1) -> int:
+        """Open connections (handshake, token, lane) until ``n`` are pooled, so the first request
+        does not pay for them; returns how many are pooled. A failure raises like a request's."""
+        if self._closed:
+            raise TransferError(f"client for {self.peer} is closed")
+        while len(self._idle) + len(self._busy) < min(n, self._max):
+            self._idle.append(await self._connect())
+        return len(self._idle)
+
     async def aclose(self) -> None:
         """Close every connection (idle ones cleanly, in-flight ones abort). Idempotent."""
         self._closed = True
@@ -440,6 +467,9 @@ class KVClient:
 
     def stats(self, timeout: float | None = None) -> concurrent.futures.Future[dict[str, Any]]:
         return self._submit(self._client.stats(timeout))
+
+    def warm(self, n: int = 1) -> concurrent.futures.Future[int]:
+        return self._submit(self._client.warm(n))
 
     def close(self, timeout: float = 10.0) -> None:
         """Close the connections, then the loop thread if this client owns it."""

@@ -69,6 +69,25 @@ def test_another_engine_reloads_what_one_wrote_through(model_dir, loaded, node, 
     reader.engine.close()
 
 
+def test_an_engine_built_beside_a_running_node_reloads_on_its_first_request(model_dir, loaded, node,  # noqa: F811
+                                                                        reference):
+    """A pod that just scaled up: built, it is linked and connected to the node (before: the link
+    resolved on a background thread, so the first request found no node and recomputed)."""
+    writer = _engine(model_dir, loaded, node)
+    assert writer.generate([PROMPTS[0]], greedy())[0].token_ids == reference[0]
+    _written(writer, (len(PROMPTS[0]) + MAX_NEW - 1) // BS - 1)
+    writer.engine.close()
+
+    reader = tiny_engine(model_dir, loaded, num_kv_blocks=64, cache_node=f"127.0.0.1:{node.http_port}",
+                         cache_node_timeout=10.0)
+    clients = reader.engine._cache_node.clients()
+    assert clients is not None and clients[0].open_connections == 1 and clients[1].open_connections == 1
+    res = reader.generate([PROMPTS[0]], greedy())[0]
+    assert res.token_ids == reference[0]
+    assert res.num_cached_tokens >= (len(PROMPTS[0]) - 1) // BS * BS - BS
+    reader.engine.close()
+
+
 def test_stopped_then_killed_node_means_recompute(model_dir, loaded, node, reference):  # noqa: F811
     llm = _engine(model_dir, loaded, node, cache_node_timeout=1.0)
     assert llm.generate([PROMPTS[0]], greedy())[0].token_ids == reference[0]

@@ -14,12 +14,13 @@ class Node:
     ``shm``: whether the server takes same-host lanes and its clients offer them."""
 
     def __init__(self, loop: LoopThread, capacity: int = 1 << 30, wrap=None, shm: bool = False,  # noqa: ANN001
-                 client_defaults: dict | None = None) -> None:
+                 client_defaults: dict | None = None, max_put: int | None = None,
+                 max_inflight: int | None = None) -> None:
         self.loop = loop
         self.shm = shm
         self.client_defaults = client_defaults or {}
-        self.store = BlockStore(capacity)
-        real = CacheNodeHandler(self.store, payload_timeout=2.0)
+        self.store = BlockStore(capacity, max_inflight_bytes=max_inflight)
+        real = CacheNodeHandler(self.store, payload_timeout=2.0, max_put=max_put)
         self.server = KVServer(wrap(real) if wrap else real, shm=shm)
         loop.call(self.server.start(), 10)
 

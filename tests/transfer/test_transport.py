@@ -56,6 +56,31 @@ def test_round_trip_data_equal(node, dtype):
     node.store.check_integrity()
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["ucx", "lane"])
+def test_a_put_larger_than_the_nodes_per_put_share_is_stored_whole(loop, shm):
+    """The node takes two blocks of an offer (--max-put) and answers no_room for the rest: the
+    client offers those again once the first arrived, so a long prefix is written through whole
+    (a 6,800-token prefix lost its last 37 blocks of every chunk before)."""
+    lay = layout()
+    blks, _ = blocks(lay, 7)
+    n = Node(loop, shm=shm, max_put=2 * lay.nbytes)
+    try:
+        with n.client() as c:
+            assert c.put(blks).result(10) == [protocol.STORED] * 7
+            assert c.lookup([b.block_hash for b in blks]).result(10) == 7
+        assert n.store.stats.puts == 7
+    finally:
+        n.close()
+    # A node whose whole in-flight room is smaller than a block makes no progress: the client
+    # answers no_room at once instead of offering forever.
+    n = Node(loop, shm=shm, max_inflight=lay.nbytes - 1)
+    try:
+        with n.client() as c:
+            assert c.put(blks[:3]).result(10) == [protocol.NO_ROOM] * 3
+    finally:
+        n.close()
+
+
 def test_get_returns_longest_prefix_and_misses_are_not_errors(node):
     lay = layout()
     blks, _ = blocks(lay, 4)
