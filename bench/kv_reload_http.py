@@ -20,15 +20,14 @@ import json
 import os
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from serving import launch_server, server_log
 
-from kvmesh.engine.util.localproc import free_port, wait_ready
+from kvmesh.engine.util.localproc import free_port
 from kvmesh.engine.util.metrics import parse_samples, sample_value
 
 
@@ -54,16 +53,10 @@ def start_engine(node_port: int, dtype: str, threads: int, blocks: int, extra: l
                  tree: str | None = None) -> Engine:
     """``tree``: run the kvmesh package of that checkout (PYTHONPATH) instead of this one's."""
     port = free_port()
-    log = Path(tempfile.mkdtemp(prefix="kv-reload-")) / "serve.log"
-    exe = str(Path(sys.executable).with_name("kvmesh"))
-    proc = subprocess.Popen([exe, "serve", "--model", "default", "--dtype", dtype, "--num-threads", str(threads),
-                             "--num-kv-blocks", str(blocks), "--cache-node", f"127.0.0.1:{node_port}",
-                             "--host", "127.0.0.1", "--port", str(port), *extra],
-                            cwd="/", stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, **({"PYTHONPATH": tree} if tree else {})))
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url + "/ready", 300, proc, log, what="engine")
-    return Engine(proc, url, log)
+    flags = ["--model", "default", "--dtype", dtype, "--num-threads", str(threads), "--num-kv-blocks", str(blocks),
+             "--cache-node", f"127.0.0.1:{node_port}", *extra]
+    proc = launch_server(flags, port, env=dict(os.environ, **({"PYTHONPATH": tree} if tree else {})))
+    return Engine(proc, f"http://127.0.0.1:{port}", server_log(port))
 
 
 def stream_ttft(url: str, prompt: list[int]) -> tuple[float, int]:

@@ -200,10 +200,16 @@ def table(rows: list[RateResult]) -> str:
 # ---- server -----------------------------------------------------------------------------------------------
 
 
-def launch_server(flags: list[str], port: int) -> subprocess.Popen:
+def server_log(port: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"kvmesh-bench-serve-{port}.log"
+
+
+def launch_server(flags: list[str], port: int, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`kvmesh serve` on 127.0.0.1:``port``, ready when this returns; its output in ``server_log(port)``.
+    ``env``: the process's environment (default: this one's)."""
     cmd = [sys.executable, "-m", "kvmesh.engine.server", "--host", "127.0.0.1", "--port", str(port), *flags]
-    log = open(Path(tempfile.gettempdir()) / f"kvmesh-bench-serve-{port}.log", "wb")
-    proc = subprocess.Popen(cmd, cwd=tempfile.gettempdir(), stdout=log, stderr=subprocess.STDOUT)
+    log = open(server_log(port), "wb")
+    proc = subprocess.Popen(cmd, cwd=tempfile.gettempdir(), stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_ready(f"http://127.0.0.1:{port}/ready", 900, proc, Path(log.name), what="server")
     except (ProcessExited, NotReady):

@@ -10,11 +10,16 @@ import time
 import numpy as np
 import pytest
 
+from fastapi.testclient import TestClient
+
 from kvmesh.engine.kv.events import TIER_REMOTE
 from kvmesh.engine.kv.node_link import CacheNodeAddressError, parse_host_port
 from kvmesh.engine.transfer.buffers import KVBlock
 from kvmesh.engine.transfer.client import KVClient
+from kvmesh.engine.server.app import ServerApp
+from kvmesh.engine.server.async_engine import AsyncEngine
 from kvmesh.engine.transfer.header import BlockHeader, kv_layout
+from kvmesh.engine.util.metrics import parse_samples, sample_value
 
 from tests.support.processes import NodeProc
 from tests.support.tiny_engine import BS, MAX_NEW, PROMPTS, greedy, hf_greedy, tiny_engine
@@ -86,6 +91,25 @@ def test_an_engine_built_beside_a_running_node_reloads_on_its_first_request(mode
     assert res.token_ids == reference[0]
     assert res.num_cached_tokens >= (len(PROMPTS[0]) - 1) // BS * BS - BS
     reader.engine.close()
+
+
+def test_an_idle_servers_metrics_count_a_write_through_confirmed_after_the_last_step(model_dir, loaded,  # noqa: F811
+                                                                                  node):
+    """Real HTTP app and /metrics over the engine. The node confirms a step's put after the step
+    returned; with no request after it, /metrics must still show it (before: the figures stayed
+    at the last step's until the next request came)."""
+
+    def remote(name: str) -> float:
+        return sample_value(parse_samples(client.get("/metrics").text), name, tier="remote") or 0.0
+
+    with TestClient(ServerApp(AsyncEngine(lambda: _engine(model_dir, loaded, node).engine)).app) as client:
+        wait_for(lambda: client.get("/ready").status_code == 200, "engine loaded", timeout=60)
+        prompt = [(7 * j) % 300 + 20 for j in range(4 * BS + 1)]
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        wait_for(lambda: remote("kvmesh_kv_tier_stored_total") == 4,
+                 "/metrics to count the prompt's 4 full blocks stored, with no request after", timeout=15)
+        assert remote("kvmesh_kv_tier_dropped_saves_total") == 0
 
 
 def test_stopped_then_killed_node_means_recompute(model_dir, loaded, node, reference):  # noqa: F811
