@@ -96,7 +96,7 @@ class ClientClock:
 
     Times are ``time.perf_counter()`` readings. ``first``/``last``: the first and last chunk
     that carried tokens (a non-streamed body is both); ``ended``: the response's last body
-    message went out; ``failed``: an in-band error event went out.
+    message (or the stream's ``[DONE]``) went out; ``failed``: an in-band error event went out.
     """
 
     received: float
@@ -126,6 +126,10 @@ class ClientClock:
             return
         if not body:
             return
+        if body.endswith(_DONE):
+            # The client has the whole stream: it may hang up before the closing empty message,
+            # which cancels the request (router/app.py) and would leave a complete stream untimed.
+            self.ended = True
         if self.first is not None and only_tokens(body):  # the common chunk: one scan
             self.last = now
             self.events += body.count(_EVENT_END)

@@ -76,6 +76,15 @@ def test_a_streamed_chat_times_its_first_token_event_not_the_role_head():
     assert c.tpot_s() == pytest.approx(0.2)  # 3 token events over 0.4 s
 
 
+def test_a_stream_is_timed_once_its_done_event_went_out_though_the_client_hung_up_after_it():
+    # The openai client closes on [DONE]; the router then cancels the request before the ASGI
+    # closing message, so the stream must count as ended at [DONE].
+    c = feed(ClientClock(received=0.0), [
+        (0.1, start(SSE)), (0.2, body(chat(0, {"content": "a"}))), (0.4, body(chat(0, {"content": "b"}, "stop"))),
+        (0.4, body(r.SSE_DONE))])
+    assert c.tpot_s() == pytest.approx(0.2)
+
+
 def test_tpot_divides_by_the_usage_count_when_the_stream_has_one():
     c = feed(ClientClock(received=0.0), [
         (0.1, start(SSE)), (0.1, body(chat(0, {"content": "ab"}))), (0.7, body(chat(0, {"content": "cdefg"}))),
