@@ -14,8 +14,8 @@ Threads and ownership:
   seq gap and asks the replay socket.
 * The replay thread owns the ROUTER socket (PUB port + 1). For a request naming seq N it answers
   the records still in the ring from N on, as many as ``ReplayBudget`` grants that subscriber,
-  then ``REPLAY_END``; when N is older than the ring (or ahead of the log) it answers only
-  ``REPLAY_END`` and the subscriber uses the snapshot. It sends the payloads the stream thread
+  then ``REPLAY_END``; when N is older than the ring it answers from the ring's oldest record
+  (the asker sees the skip and uses the snapshot), when N is ahead of the log only ``REPLAY_END``. It sends the payloads the stream thread
   already encoded, so a replay costs sends, not encoding, next to the step thread. A subscriber
   that does not read fills its bounded queue and its answer is cut off (it times out and resyncs).
 
@@ -268,7 +268,13 @@ class KVEventPublisher:
             start = seq_from_bytes(frames[-1])
             # seq 0 names no record ("from the start"); one record past the cap tells an answer
             # the budget cut short from one that is complete.
-            records = self.log.since(max(start, 1) - 1, limit=self.budget.limits.max_records + 1) or []
+            limit = self.budget.limits.max_records + 1
+            records = self.log.since(max(start, 1) - 1, limit=limit)
+            if records is None and start < self.log.oldest_seq:
+                # The ring moved past ``start``: answer from its oldest record (as vLLM's publisher
+                # does), so the asker sees the skip and resyncs instead of reading "nothing new".
+                records = self.log.since(self.log.oldest_seq - 1, limit=limit)
+            records = records or []
         except WireFormatError as e:
             logger.debug("bad KV replay request: %s", e)
             records = []

@@ -32,8 +32,10 @@ Invariants:
   ``KVCacheMirror`` does.
 * Callbacks run on the event loop and must not block; an exception in one ends ``run()``.
 
-A record lost at the very end of a stream is noticed only when the next one arrives; engines
-publish continuously under load, and a router can call ``resync()`` when that matters.
+A record lost at the very end of a stream (or every record of a burst sent before the SUB
+socket's subscription reached the publisher) leaves no later one to reveal the gap: a follower
+that heard nothing for ``idle_poll_s`` asks the replay socket for what follows ``last_seq``, so an
+idle engine's subscribers still converge.
 """
 
 from __future__ import annotations
@@ -113,6 +115,10 @@ class SubscriberStats:
     """Publisher restarts noticed (new engine id, or the seq went backwards)."""
     dropped: int = 0
     """Messages discarded by the ``drop`` test hook."""
+    idle_polls: int = 0
+    """Replay requests for what follows ``last_seq`` after ``idle_poll_s`` of silence."""
+    tail_repairs: int = 0
+    """Idle polls that found records the stream had lost."""
 
 
 class KVEventSubscriber:
@@ -122,12 +128,14 @@ class KVEventSubscriber:
                  on_event: OnEvent, on_reset: OnReset, *, replay_timeout_s: float = 2.0,
                  http_timeout_s: float = 5.0, retry_s: float = 1.0, buffer_limit: int = 100_000,
                  drop: Callable[[int], bool] | None = None, session: aiohttp.ClientSession | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, idle_poll_s: float = 5.0) -> None:
         """``session``: the process's HTTP client for snapshots (a router passes its own, so one
         client and one connection pool serve every engine); without one the subscriber opens and
         closes its own. ``token``: the deployment's internal token, for a publisher that serves
-        CURVE-authenticated subscribers only (kv/event_auth.py). ``drop`` is a test hook: PUB messages whose seq it accepts are discarded
-        as if lost."""
+        CURVE-authenticated subscribers only (kv/event_auth.py). ``idle_poll_s``: silence after which
+        the follower asks the replay socket for records the stream lost at its end (one small
+        request per idle period). ``drop`` is a test hook: PUB messages whose seq it accepts are
+        discarded as if lost."""
         self.pub_endpoint = pub_endpoint
         self.replay_endpoint = replay_endpoint
         self.snapshot_url = snapshot_url
@@ -136,6 +144,7 @@ class KVEventSubscriber:
         self.replay_timeout_s = replay_timeout_s
         self.http_timeout_s = http_timeout_s
         self.retry_s = retry_s
+        self.idle_poll_s = idle_poll_s
         self.drop = drop
         self.stats = SubscriberStats()
         self.synced = asyncio.Event()
@@ -146,6 +155,7 @@ class KVEventSubscriber:
         self._buf: deque[tuple[bytes, int, bytes]] = deque(maxlen=buffer_limit)
         self._arrived = asyncio.Event()
         self._pub_high: int | None = None  # highest seq seen on PUB from the current engine
+        self._replay_skipped = False  # the last replay answer skipped records (the ring moved on)
         self._retired: set[str] = set()
         self._ctx: zmq.asyncio.Context | None = None
         self._dealer: zmq.asyncio.Socket | None = None
@@ -213,7 +223,10 @@ class KVEventSubscriber:
                     if reader.done():
                         reader.result()  # re-raise what ended the reader
                     self._arrived.clear()
-                    await self._arrived.wait()
+                    try:
+                        await asyncio.wait_for(self._arrived.wait(), self.idle_poll_s)
+                    except asyncio.TimeoutError:
+                        await self._poll_tail()
                 topic, seq, payload = self._buf.popleft()
                 await self._handle(topic, seq, payload)
         finally:
@@ -292,8 +305,26 @@ class KVEventSubscriber:
         self.last_seq = seq
         self.stats.applied += 1
 
-    async def _replay(self, first: int, upto: int) -> bool:
-        """Apply records ``first..`` from the replay socket; True when they reach ``upto - 1``."""
+    async def _poll_tail(self) -> None:
+        """Nothing arrived for ``idle_poll_s``: apply whatever the replay socket holds after
+        ``last_seq`` (records the stream lost at its end); resync where it no longer holds them.
+        A publisher that does not answer is tried again at the next idle poll."""
+        if self.engine_id is None:
+            return
+        self.stats.idle_polls += 1
+        before = self.last_seq
+        if not await self._replay(before + 1, 0, quiet=True):
+            return
+        if self._replay_skipped:
+            await self._resync(f"records after {before} are no longer in the replay buffer")
+        elif self.last_seq > before:
+            self.stats.tail_repairs += 1
+            log.info("KV events: %d record(s) after seq %d came by replay only", self.last_seq - before, before)
+
+    async def _replay(self, first: int, upto: int, quiet: bool = False) -> bool:
+        """Apply records ``first..`` from the replay socket; True when they reach ``upto - 1``
+        (``_replay_skipped`` then says whether the answer skipped past ``last_seq + 1``).
+        ``quiet``: a publisher that does not answer is logged at debug level only."""
         if self._dealer is None:
             assert self._ctx is not None
             self._dealer = self._ctx.socket(zmq.DEALER)
@@ -307,6 +338,7 @@ class KVEventSubscriber:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.replay_timeout_s
         in_order = True
+        self._replay_skipped = False
         try:
             while True:
                 frames = await asyncio.wait_for(dealer.recv_multipart(), max(0.0, deadline - loop.time()))
@@ -321,11 +353,13 @@ class KVEventSubscriber:
                     continue
                 if seq != self.last_seq + 1:
                     in_order = False  # the ring no longer holds what we miss; read on to the end marker
+                    self._replay_skipped = True
                 if in_order and self.engine_id is not None:
                     await self._apply(self.engine_id, seq, frames[1])
                     self.stats.replayed += 1
         except (TimeoutError, WireFormatError) as e:
-            log.warning("KV event replay from %s failed: %s", self.replay_endpoint, str(e) or "no answer in time")
+            (log.debug if quiet else log.warning)("KV event replay from %s failed: %s", self.replay_endpoint,
+                                                  str(e) or "no answer in time")
             self._close_dealer()  # a late answer must not be read as the next one
             return False
         return self.last_seq >= upto - 1

@@ -32,8 +32,8 @@ engines (Dynamo's ZMQ relay, llm-d's precise prefix-cache scorer) can read kvmes
 * Replay (ROUTER socket, the PUB port + 1): a DEALER sends one frame, the first wanted seq as
   8-byte big-endian. The engine answers ``[b"", seq, payload]`` for every buffered record from
   that seq on, then the end marker ``[b"", REPLAY_END, b""]``. When the wanted seq is older
-  than the buffer it answers only the end marker and the subscriber resyncs from the HTTP
-  snapshot (``GET /kv/snapshot``, ``snapshot_to_json``).
+  than the buffer it answers from the oldest record it holds (as vLLM's publisher does); the
+  subscriber sees the skip and resyncs from the HTTP snapshot (``GET /kv/snapshot``, ``snapshot_to_json``).
 
 Invariant: ``to_internal(from_internal(e)) == e`` for every internal event (the tests check it).
 """

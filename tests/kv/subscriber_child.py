@@ -25,7 +25,7 @@ def drop_rule(spec: str):
 
 async def main(pub: str, replay: str, url: str, drop: str | None) -> None:
     mirror = KVCacheMirror()
-    sub = KVEventSubscriber(pub, replay, url, mirror.on_event, mirror.reset, retry_s=0.05,
+    sub = KVEventSubscriber(pub, replay, url, mirror.on_event, mirror.reset, retry_s=0.05, idle_poll_s=0.5,
                             drop=drop_rule(drop) if drop else None)
     task = asyncio.ensure_future(sub.run())
     await sub.synced.wait()

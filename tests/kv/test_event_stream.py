@@ -90,6 +90,37 @@ def test_dropped_messages_are_replayed(stream):
     asyncio.run(main())
 
 
+def test_records_lost_at_the_end_of_a_burst_come_by_replay_once_the_stream_is_idle(stream):
+    """The last records of a burst are lost and nothing follows to reveal the gap (a slow-joining
+    SUB socket loses a whole burst the same way): the idle follower polls the replay socket."""
+    log, pub, snap = stream
+
+    async def main():
+        async with following(pub, snap, drop=lambda seq: seq > 290, idle_poll_s=0.2) as (sub, mirror):
+            publish_random(log, 300, seed=5)
+            await converged(log, sub, mirror)
+            assert sub.stats.dropped > 0 and sub.stats.tail_repairs >= 1 and sub.stats.resyncs == 1
+            polls = sub.stats.idle_polls
+            await until(lambda: sub.stats.idle_polls > polls)  # an idle poll finding nothing changes nothing
+            await converged(log, sub, mirror)
+
+    asyncio.run(main())
+
+
+def test_a_tail_the_ring_no_longer_holds_resyncs_from_the_snapshot():
+    log = KVEventLog("engine-t", capacity=20)
+
+    async def main():
+        with SnapshotServer(log) as snap, KVEventPublisher("127.0.0.1", free_port_pair()) as pub:
+            pub.start(log)
+            async with following(pub, snap, drop=lambda seq: seq > 10, idle_poll_s=0.2) as (sub, mirror):
+                publish_random(log, 100, seed=6)
+                await converged(log, sub, mirror)
+                assert sub.stats.resyncs == 2 and sub.stats.tail_repairs == 0
+
+    asyncio.run(main())
+
+
 def test_gap_older_than_the_ring_resyncs_from_the_snapshot():
     log = KVEventLog("engine-b", capacity=20)
     pub = KVEventPublisher("127.0.0.1", free_port_pair())
@@ -200,7 +231,7 @@ def test_replay_socket_answers():
         ep = pub.replay_endpoint
         assert _replay(ep, [seq_bytes(20)]) == [20, 21, 22, 23, 24, 25]
         assert _replay(ep, [b"", seq_bytes(16)]) == list(range(16, 26))  # vLLM framing
-        assert _replay(ep, [seq_bytes(15)]) == []  # older than the ring: only the end marker
+        assert _replay(ep, [seq_bytes(15)]) == list(range(16, 26))  # older than the ring: from its oldest
         assert _replay(ep, [seq_bytes(26)]) == []  # nothing newer
         assert _replay(ep, [seq_bytes(99)]) == []  # ahead of the log
         assert _replay(ep, [b"bad"]) == []  # malformed: still answered, never left hanging
