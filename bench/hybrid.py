@@ -9,19 +9,29 @@
     the checkpoint at its end) is nowhere (recompute), still on the device (the compute floor),
     in the host tiers (pushed there by a filler prompt), or on a ``kvmesh cache-node`` process
     that another engine wrote it through to (this engine's pools empty). Interleaved per round.
+(e) A shared system prompt shorter than the checkpoint interval (``--shared-len``, default 300)
+    and several users after it, one at a time: tokens each reuses and its TTFT.
+
+``--before DIR`` runs the default setting also from another checkout (e.g. the previous commit),
+its kvmesh package first on PYTHONPATH, in a worker process fed round by round, beside the same
+setting of this checkout in a worker of its own: (a) and (e) then compare before and after in one
+invocation, interleaved, each in a process holding one engine.
 
 The model is a random Qwen3_5ForCausalLM built by transformers at start (random weights cost
 the same as trained ones). Usage:
 
     .venv/bin/python bench/hybrid.py [--rounds 3] [--prompts 8] [--prompt-len 256] [--out-len 32]
-        [--reload-len 1024] [--only zero-hit|reload]
+        [--reload-len 1024] [--shared-len 300] [--only zero-hit|reload|shared] [--before DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -89,6 +99,59 @@ def timed_forward(eng) -> list[float]:
 
     eng.runner.execute = timed
     return times
+
+
+class Before:
+    """One engine setting run from another checkout, in a worker process (``--worker``) that
+    generates what it is sent, line by line, so that before and after interleave round by round."""
+
+    def __init__(self, tree: str, model_dir: Path, setting: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", setting, "--model-dir", str(model_dir)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tempfile.gettempdir(),
+            env=dict(os.environ, PYTHONPATH=tree))
+
+    def generate(self, prompts: list[list[int]], olen: int) -> dict:
+        """{"dt": seconds, "steps": forward seconds, "cached": tokens per prompt}."""
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "olen": olen}) + "\n")
+        self.proc.stdin.flush()
+        while not (line := self.proc.stdout.readline()).startswith("RESULT "):
+            if not line:
+                raise RuntimeError(f"the worker of the other checkout exited ({self.proc.wait()})")
+        return json.loads(line[len("RESULT "):])
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def workers(before: str | None, model_dir: Path) -> dict[str, Before]:
+    """With ``--before``: the default setting in a worker process from that checkout and one from
+    this one, so that before and after run alike (each its own process, one engine in it)."""
+    if not before:
+        return {}
+    here = str(Path(__file__).resolve().parents[1])
+    return {"default, worker": Before(here, model_dir, "default"),
+            "default (before)": Before(before, model_dir, "default")}
+
+
+def local_generate(eng, steps: list[float], prompts: list[list[int]], olen: int) -> dict:
+    """What ``Before.generate`` answers, for an engine of this checkout."""
+    from kvmesh.engine.llm import LLM
+    from kvmesh.engine.sampling import SamplingParams
+
+    steps.clear()
+    t0 = time.perf_counter()
+    res = LLM(engine=eng).generate(prompts, SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True))
+    return {"dt": time.perf_counter() - t0, "steps": list(steps), "cached": [r.num_cached_tokens for r in res]}
+
+
+def worker(setting: str, model_dir: Path) -> None:
+    eng = engine(model_dir, **SETTINGS[setting])
+    steps = timed_forward(eng)
+    for line in sys.stdin:
+        req = json.loads(line)
+        print("RESULT " + json.dumps(local_generate(eng, steps, req["prompts"], req["olen"])), flush=True)
 
 
 _STATE_CALLS = ("hit", "cancel", "allocate", "free", "plan", "commit", "abort", "flush", "take_published")
@@ -189,47 +252,79 @@ class StateWork:
                 "share": (self.bookkeeping_s + captures_s) / self.step_s if self.step_s else 0.0}
 
 
-def zero_hit(model_dir: Path, rounds: int, n: int, plen: int, olen: int) -> dict[str, dict[str, float]]:
-    from kvmesh.engine.llm import LLM
-    from kvmesh.engine.sampling import SamplingParams
-
+def zero_hit(model_dir: Path, rounds: int, n: int, plen: int, olen: int,
+             before: str | None = None) -> dict[str, dict[str, float]]:
     engines = {name: engine(model_dir, **cfg) for name, cfg in SETTINGS.items()}
     steps = {name: timed_forward(e) for name, e in engines.items()}
     work = {name: StateWork(e) for name, e in engines.items()}
     scan_s = StateWork.scan_capture_cost(engines["off"], n, plen)
     for w in work.values():
         w.inner_s = w.copy_s + scan_s
-    params = SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(123)
-    tput: dict[str, list[float]] = {name: [] for name in SETTINGS}
-    prefill_ms: dict[str, list[float]] = {name: [] for name in SETTINGS}
-    decode_ms: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    runs = {name: (lambda ps, e=e, st=steps[name]: local_generate(e, st, ps, olen)) for name, e in engines.items()}
+    others = workers(before, model_dir)
+    for name, w in others.items():
+        runs[name] = lambda ps, w=w: w.generate(ps, olen)
+    tput: dict[str, list[float]] = {name: [] for name in runs}
+    prefill_ms: dict[str, list[float]] = {name: [] for name in runs}
+    decode_ms: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(rounds + 1):  # round 0 warms up
         if r == 1:
             for w in work.values():
                 w.reset()
         # New unique prompts every round (and the same ones for every setting): zero hits.
         prompts = [torch.randint(3, MODEL["vocab_size"], (plen,), generator=gen).tolist() for _ in range(n)]
-        order = list(SETTINGS) if r % 2 == 0 else list(reversed(SETTINGS))
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
         for name in order:
-            steps[name].clear()
-            t0 = time.perf_counter()
-            LLM(engine=engines[name]).generate(prompts, params)
-            dt = time.perf_counter() - t0
+            got = runs[name](prompts)
             if r:
-                tput[name].append(n * (plen + olen) / dt)
+                tput[name].append(n * (plen + olen) / got["dt"])
                 # The first step prefills every prompt (budget >= n * plen); the rest decode.
-                prefill_ms[name].append(1e3 * steps[name][0])
-                decode_ms[name].append(1e3 * statistics.median(steps[name][1:]))
+                prefill_ms[name].append(1e3 * got["steps"][0])
+                decode_ms[name].append(1e3 * statistics.median(got["steps"][1:]))
+    for w in others.values():
+        w.close()
     out = {}
-    for name, e in engines.items():
-        st = e.stats()
+    for name in runs:
+        e = engines.get(name)
+        st = e.stats() if e is not None else None
         # Minimum over rounds: the least disturbed run of each, robust to other load on the machine.
         out[name] = {"tok_s": statistics.median(tput[name]), "prefill_ms": min(prefill_ms[name]),
                      "decode_ms": min(decode_ms[name]),
-                     "checkpoints_saved": st.state_checkpoints.saves if st.state_checkpoints else 0,
-                     "prefix_hits": st.prefix_hits, **work[name].share()}
+                     # None: another checkout's worker (not counted); 0: checkpoints off.
+                     "checkpoints_saved": None if st is None else st.state_checkpoints.saves if st.state_checkpoints else 0,
+                     **(work[name].share() if e is not None else {})}
     return out
+
+
+def shared_prefix(model_dir: Path, rounds: int, shared: int, users: int, before: str | None) -> dict[str, list]:
+    """(e) Per runner, per user i (in arrival order): (median TTFT ms, median tokens reused) over
+    ``rounds``: every round a new ``shared``-token system prompt, then ``users`` prompts each
+    adding 20 + 7 i tokens of its own, one at a time, ``max_tokens=1``."""
+    eng = engine(model_dir)
+    steps = timed_forward(eng)
+    runs = {"default": lambda ps: local_generate(eng, steps, ps, 1)}
+    others = workers(before, model_dir)
+    for name, w in others.items():
+        runs[name] = lambda ps, w=w: w.generate(ps, 1)
+    gen = torch.Generator().manual_seed(321)
+    ttft: dict[str, list[list[float]]] = {name: [[] for _ in range(users)] for name in runs}
+    reused: dict[str, list[list[int]]] = {name: [[] for _ in range(users)] for name in runs}
+    for r in range(rounds + 1):  # round 0 warms up
+        system = torch.randint(3, MODEL["vocab_size"], (shared,), generator=gen).tolist()
+        prompts = [system + torch.randint(3, MODEL["vocab_size"], (20 + 7 * i,), generator=gen).tolist()
+                   for i in range(users)]
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        for name in order:
+            for i, p in enumerate(prompts):
+                got = runs[name]([p])
+                if r:
+                    ttft[name][i].append(1e3 * got["dt"])
+                    reused[name][i].append(got["cached"][0])
+    for w in others.values():
+        w.close()
+    return {name: [(statistics.median(ttft[name][i]), statistics.median(reused[name][i])) for i in range(users)]
+            for name in runs}
 
 
 def multi_turn(model_dir: Path, turns: int, first_len: int, msg_len: int, olen: int) -> dict[str, list[tuple]]:
@@ -356,8 +451,16 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=32)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--reload-len", type=int, default=1024)
-    ap.add_argument("--only", choices=("zero-hit", "reload"), help="run only part (a) or part (c)")
+    ap.add_argument("--shared-len", type=int, default=300, help="(e): the shared system prompt's tokens")
+    ap.add_argument("--users", type=int, default=4, help="(e): prompts after the shared one")
+    ap.add_argument("--only", choices=("zero-hit", "reload", "shared"), help="run only part (a), (c) or (e)")
+    ap.add_argument("--before", metavar="DIR", help="also run the default setting from this checkout")
+    ap.add_argument("--worker", choices=tuple(SETTINGS), help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, Path(args.model_dir))
+        return
     print("CPU:", cpu_name(), "| torch threads:", torch.get_num_threads())
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp))
@@ -366,22 +469,27 @@ def main() -> None:
         if args.only == "reload":
             print_reload(reload(model_dir, args.reload_len, args.rounds), args)
             return
-        res = zero_hit(model_dir, args.rounds, args.prompts, args.prompt_len, args.out_len)
+        if args.only == "shared":
+            print_shared(shared_prefix(model_dir, args.rounds, args.shared_len, args.users, args.before), args)
+            return
+        res = zero_hit(model_dir, args.rounds, args.prompts, args.prompt_len, args.out_len, args.before)
         base = res["off"]
         print(f"\n(a) zero-hit: {args.prompts} prompts x {args.prompt_len} tokens, {args.out_len} out, "
               f"median of {args.rounds} interleaved rounds")
-        print(f"{'setting':<12} {'tok/s':>8} {'vs off':>7} {'prefill ms':>10} {'vs off':>7} {'decode ms':>9} "
+        print(f"{'setting':<17} {'tok/s':>8} {'vs off':>7} {'prefill ms':>10} {'vs off':>7} {'decode ms':>9} "
               f"{'vs off':>7} {'saved':>6}")
         for name, r in res.items():
-            print(f"{name:<12} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:7.3f} {r['prefill_ms']:10.1f} "
+            print(f"{name:<17} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:7.3f} {r['prefill_ms']:10.1f} "
                   f"{r['prefill_ms'] / base['prefill_ms']:7.3f} {r['decode_ms']:9.2f} "
-                  f"{r['decode_ms'] / base['decode_ms']:7.3f} {r['checkpoints_saved']:6d}")
+                  f"{r['decode_ms'] / base['decode_ms']:7.3f} {'-' if r['checkpoints_saved'] is None else r['checkpoints_saved']:>6}")
         print("\nstep-time share of the state work (timed in the steps themselves; captures priced by "
               "timing the same copies)")
-        print(f"{'setting':<12} {'steps':>6} {'step ms':>8} {'state calls us/step':>19} {'end captures':>12} "
+        print(f"{'setting':<17} {'steps':>6} {'step ms':>8} {'state calls us/step':>19} {'end captures':>12} "
               f"{'copy us':>8} {'inner captures':>14} {'inner us':>8} {'share %':>8}")
         for name, r in res.items():
-            print(f"{name:<12} {r['steps']:6d} {r['step_ms']:8.2f} {r['bookkeeping_us']:19.1f} "
+            if "steps" not in r:
+                continue  # another checkout's worker: not instrumented
+            print(f"{name:<17} {r['steps']:6d} {r['step_ms']:8.2f} {r['bookkeeping_us']:19.1f} "
                   f"{r['end_captures']:12d} {r['copy_us']:8.1f} {r['inner_captures']:14d} {r['inner_us']:8.1f} {100 * r['share']:8.3f}")
         if args.only == "zero-hit":
             return
@@ -391,6 +499,16 @@ def main() -> None:
         for t, (a, b) in enumerate(zip(mt["off"], mt["default"])):
             print(f"{t:<5} {a[1]:>7} | {a[0]:>12} {a[2]:>9} | {b[0]:>16} {b[2]:>9}")
         print_reload(reload(model_dir, args.reload_len, args.rounds), args)
+        print_shared(shared_prefix(model_dir, args.rounds, args.shared_len, args.users, args.before), args)
+
+
+def print_shared(res: dict[str, list], args: argparse.Namespace) -> None:
+    print(f"\n(e) a {args.shared_len}-token shared system prompt, then {args.users} users (20 + 7 i tokens each), "
+          f"one at a time, max_tokens=1; median of {args.rounds} rounds")
+    names = list(res)
+    print(f"{'user':<5} " + " | ".join(f"{n + ': TTFT ms':>24} {'reused':>7}" for n in names))
+    for i in range(args.users):
+        print(f"{i:<5} " + " | ".join(f"{res[n][i][0]:24.1f} {res[n][i][1]:7.0f}" for n in names))
 
 
 def print_reload(res: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
@@ -401,7 +519,7 @@ def print_reload(res: dict[str, dict[str, float]], args: argparse.Namespace) -> 
     base = res["recompute"]["ttft_ms"]
     print(f"{'prefix is':<12} {'TTFT ms':>8} {'vs recompute':>12} {'cached':>7}")
     for name, r in res.items():
-        print(f"{name:<12} {r['ttft_ms']:8.1f} {r['ttft_ms'] / base:12.3f} {r['cached']:7d}")
+        print(f"{name:<17} {r['ttft_ms']:8.1f} {r['ttft_ms'] / base:12.3f} {r['cached']:7d}")
 
 
 if __name__ == "__main__":

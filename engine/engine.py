@@ -28,11 +28,12 @@ from kvmesh.engine.disagg.decode_side import DecodeRole, DecodeTransfers
 from kvmesh.engine.disagg.errors import HandoffError
 from kvmesh.engine.disagg.prefill_side import PrefillRole
 from kvmesh.engine.kv.gather import scatter_blocks
-from kvmesh.engine.kv.events import TIER_CPU, KVEvent, KVEventLog, checkpoint_removed, checkpoint_stored
+from kvmesh.engine.kv.events import KVEvent, KVEventLog
 from kvmesh.engine.kv.kv_manager import KVCacheManager
+from kvmesh.engine.kv.hybrid_setup import build_state_manager
 from kvmesh.engine.kv.hybrid_state import HybridStateManager, StepStatePlan
 from kvmesh.engine.kv.slot_wire import scatter_state, slot_nbytes
-from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, CheckpointStats
+from kvmesh.engine.kv.state_checkpoints import CheckpointStats
 from kvmesh.engine.kv.tiers import KVTiers, TierSnapshot
 from kvmesh.engine.model.attention import AttentionBackend
 from kvmesh.engine.model.llama import LlamaModel
@@ -227,25 +228,8 @@ class LLMEngine:
                                                         self.max_model_len)
         self.state_slots: HybridStateManager | None = None
         if hybrid:
-            ckpts = None
-            host_states = None
-            if num_checkpoints:
-                ckpts = CheckpointIndex(num_checkpoints, StatePool.bytes_per_slot(self.model_config, self.dtype.itemsize),
-                                        on_publish=weak_method(self._on_checkpoint_published),
-                                        on_evict=weak_method(self._on_checkpoint_evicted))
-                if self.tiers is not None:
-                    from kvmesh.engine.kv.tier_setup import build_state_tier, enable_remote_states
-
-                    pool = self.runner.states
-                    host_states = build_state_tier(cfg, pool.ckpt_conv, pool.ckpt_ssm)
-                    if host_states is not None:
-                        host_states.on_stored = weak_method(self._on_host_checkpoints_stored)
-                        host_states.on_removed = weak_method(self._on_host_checkpoints_removed)
-                    enable_remote_states(self.tiers, self.model_config.linear_layers, pool.ckpt_conv, pool.ckpt_ssm)
-            self.state_slots = HybridStateManager(cfg.max_num_seqs, cfg.block_size, ckpts,
-                                                  cfg.state_checkpoint_interval, host=host_states)
-            self.state_slots.write_through = ckpts is not None and self.tiers is not None \
-                and self.tiers.remote is not None
+            self.state_slots = build_state_manager(cfg, self.runner.states, self.model_config.linear_layers,
+                                                   num_checkpoints, state_bytes, self.tiers, self.events.publish)
         self.pacer = PrefillPacer(cfg.tpot_slo_ms / 1e3) if cfg.tpot_slo_ms > 0 else None
         self.gate = TpotGate(cfg.admission_tpot_ms / 1e3) if cfg.admission_tpot_ms > 0 else None
         self._gate_mark: tuple[float, int] | None = None  # (start, decodes) of the last step, for the gate
@@ -279,20 +263,6 @@ class LLMEngine:
         self.events.publish(event)
         if self.tiers is not None:
             self.tiers.on_primary_event(event)
-
-    def _on_checkpoint_published(self, h: BlockHash) -> None:
-        # Subscribers (the router) learn which block ends have a restore point: a hybrid prefix
-        # hit stops at the last of them (engine/kv/state_checkpoints.restorable_blocks).
-        self.events.publish(checkpoint_stored([h], self.config.block_size))
-
-    def _on_checkpoint_evicted(self, entry: int, h: BlockHash) -> None:
-        self.events.publish(checkpoint_removed([h]))
-
-    def _on_host_checkpoints_stored(self, hashes: list[BlockHash]) -> None:
-        self.events.publish(checkpoint_stored(hashes, self.config.block_size, TIER_CPU))
-
-    def _on_host_checkpoints_removed(self, hashes: list[BlockHash]) -> None:
-        self.events.publish(checkpoint_removed(hashes, TIER_CPU))
 
     def _on_evict(self, blocks: list) -> None:
         self._kv_evictions += len(blocks)
@@ -374,11 +344,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     priority: int = 0, arrival_time: float | None = None,
-                    handoff: Handoff | None = None, cache_salt: str | None = None) -> None:
+                    handoff: Handoff | None = None, cache_salt: str | None = None,
+                    state_hints: Sequence[int] = ()) -> None:
         """Validate (see check_request) and enqueue; the request joins at the next step.
 
         ``cache_salt``: the request shares cached KV only with requests of the same salt (its
         chain starts from ``block_hash.chain_root(cache_salt)``; None or "" is the shared root).
+        ``state_hints``: hybrid models, prompt positions worth a checkpoint (``Request.state_hints``).
 
         ``handoff`` (engine/roles.py): a ``PrefillHandoff`` ends the request after its first token
         with a ``KVHandoff`` output (call ``prefill.release`` once it was delivered); a
@@ -401,6 +373,7 @@ class LLMEngine:
             handoff=prefill,
             handoff_sent=prefill.from_block if prefill else 0,
             kv_root=chain_root(cache_salt),
+            state_hints=tuple(state_hints),
             grammar=GrammarState(self.grammars.matcher(params.structured)) if params.structured else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
@@ -634,7 +607,7 @@ class LLMEngine:
         if self.state_slots is None:
             return None
         seqs = [(s.request.request_id, s.request.all_token_ids, s.request.kv_root, s.request.num_prompt_tokens,
-                 s.num_computed_tokens, s.num_new_tokens) for s in sched.seqs]
+                 s.num_computed_tokens, s.num_new_tokens, s.request.state_hints) for s in sched.seqs]
         plan = self.state_slots.plan(seqs, lambda rid, toks, root, n: self.kv.extend_chain(rid, toks, n, root))
         self.state_slots.flush(self.runner.states.ckpt_conv, self.runner.states.ckpt_ssm)
         return plan

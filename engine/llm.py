@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.model.message_ends import message_ends
 from kvmesh.engine.outputs import RequestMetrics, TokenLogprob
 from kvmesh.engine.sampling import SamplingParams
 
@@ -61,8 +62,12 @@ class LLM:
         self,
         prompts: Sequence[str | list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        state_hints: Sequence[Sequence[int]] | None = None,
     ) -> list[GenerationResult]:
         """Run every prompt to completion; results in prompt order.
+
+        ``state_hints``: per prompt, positions worth a hybrid model's checkpoint
+        (``Request.state_hints``; ``chat`` passes each conversation's message ends).
 
         All prompts are validated before any is submitted, so a bad prompt raises its error
         (InvalidPromptError, PromptTooLongError, InvalidSamplingParams) and leaves the engine
@@ -73,15 +78,18 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if state_hints is not None and len(state_hints) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(state_hints)} lists of state hints")
         checked = [
             self.engine.check_request(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt, p)
             for prompt, p in zip(prompts, params)
         ]
         prompt_ids = {f"gen-{next(self._ids)}": ids for ids in checked}
         order = list(prompt_ids)
+        hints = state_hints if state_hints is not None else [()] * len(order)
         try:
-            for rid, p in zip(order, params):
-                self.engine.add_request(rid, prompt_ids[rid], p)
+            for rid, p, h in zip(order, params, hints):
+                self.engine.add_request(rid, prompt_ids[rid], p, state_hints=h)
             results = self._run(prompt_ids)
         except BaseException:
             # Abort what this call submitted so that nothing outlives it in the engine.
@@ -141,4 +149,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
-        return self.generate(prompts, params)
+        # A hybrid model reuses a prefix only where a checkpoint is: at the ends of earlier messages.
+        hints = [message_ends(self.tokenizer, c, ids) for c, ids in zip(conversations, prompts)] \
+            if self.engine.is_hybrid else None
+        return self.generate(prompts, params, hints)

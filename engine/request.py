@@ -62,6 +62,10 @@ class Request:
     prompt_logprobs: list[Any] | None = None
     """With ``params.prompt_logprobs``: a ``TokenLogprob`` per prompt position after the first,
     appended as prefill computes them (complete once len == num_prompt_tokens - 1)."""
+    state_hints: tuple[int, ...] = ()
+    """Hybrid models: prompt positions where later prompts are expected to diverge (a chat
+    prompt's message ends, branch points the router learned): the recurrent state is
+    checkpointed at the block boundary at or before each (engine/kv/hybrid_state.py)."""
     grammar: Any = None
     """A ``structured.masking.GrammarState`` when the output is constrained, else None."""
     # Engine-side streaming state (detokenizer, stop checker, emitted offsets).

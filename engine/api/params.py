@@ -10,8 +10,10 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.engine.model.message_ends import message_ends
 from kvmesh.engine.sampling import InvalidSamplingParams, SamplingParams
 from kvmesh.engine.structured.grammar import InvalidGrammarError, StructuredOutput
 from kvmesh.engine.api import errors, tools
@@ -222,6 +224,38 @@ def chat_prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest, add_genera
         return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs))
     except ChatTemplateError as e:
         raise errors.invalid_request(str(e), "messages") from None
+
+
+def chat_message_ends(tokenizer: Tokenizer, req: ChatCompletionRequest, ids: Sequence[int]) -> tuple[int, ...]:
+    """Where in ``ids`` (``chat_prompt_ids(tokenizer, req)``) each message before the last ends
+    (engine/model/message_ends.py, over the same render): the end of the system message and of
+    each earlier turn is where the next user's prompt leaves this one, so a hybrid model
+    checkpoints there (``Request.state_hints``)."""
+    msgs, kwargs = tools.render_history(chat_messages(req.messages), req.messages, tool_setup(req),
+                                        bool(getattr(tokenizer, "template_takes_tools", False)))
+    return message_ends(tokenizer, msgs, ids, **kwargs)
+
+
+STATE_HINTS_HEADER = "x-kvmesh-state-hints"
+"""Prompt positions worth a hybrid model's checkpoint, comma-separated (the router sends the
+branch points its fleet reported and where the fleet's cached prefixes of the prompt end)."""
+MAX_STATE_HINTS = 64
+
+
+def parse_state_hints(value: str | None) -> tuple[int, ...]:
+    """``STATE_HINTS_HEADER``'s positions; a 400 naming the header for anything but up to
+    ``MAX_STATE_HINTS`` comma-separated non-negative integers."""
+    if not value:
+        return ()
+    parts = value.split(",")
+    if len(parts) > MAX_STATE_HINTS or not all(p.strip().isdigit() for p in parts):
+        raise errors.invalid_request(f"header {STATE_HINTS_HEADER} must be at most {MAX_STATE_HINTS} "
+                                     f"comma-separated token positions, got {value[:80]!r}", STATE_HINTS_HEADER)
+    return tuple(int(p) for p in parts)
+
+
+def format_state_hints(positions: Sequence[int]) -> str:
+    return ",".join(str(p) for p in positions[:MAX_STATE_HINTS])
 
 
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",

@@ -36,7 +36,10 @@ TIERS = (TIER_GPU, TIER_CPU, TIER_REMOTE)
 """Where KV blocks live."""
 STATE_MEDIA = {TIER_GPU: "state-gpu", TIER_CPU: "state-cpu", TIER_REMOTE: "state-remote"}
 """KV tier -> the medium of recurrent-state checkpoints kept there (hybrid models)."""
-MEDIA = TIERS + tuple(STATE_MEDIA.values())
+BRANCH_MEDIUM = "branch"
+"""Hybrid models' branch points: block ends where prompts were seen to diverge and a checkpoint is
+wanted (engine/kv/state_checkpoints.BranchPoints). Neither KV nor a checkpoint: a hint."""
+MEDIA = TIERS + tuple(STATE_MEDIA.values()) + (BRANCH_MEDIUM,)
 """Every ``tier`` an event may carry (the ``medium`` field on the wire)."""
 
 
@@ -100,6 +103,12 @@ def checkpoint_stored(hashes: list[BlockHash], block_size: int, tier: str = TIER
     store). No parent and no tokens: each hash stands alone, and a consumer that builds keys from
     tokens (llm-d's indexer) drops the record instead of indexing it as KV."""
     return BlockStored(list(hashes), None, [], block_size, STATE_MEDIA[tier])
+
+
+def branch_points(hashes: list[BlockHash], block_size: int) -> BlockStored:
+    """Branch points at the ends of the blocks ``hashes`` name (``BRANCH_MEDIUM``; shaped like a
+    checkpoint record: no parent, no tokens)."""
+    return BlockStored(list(hashes), None, [], block_size, BRANCH_MEDIUM)
 
 
 def checkpoint_removed(hashes: list[BlockHash], tier: str = TIER_GPU) -> BlockRemoved:

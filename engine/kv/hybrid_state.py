@@ -20,6 +20,11 @@ checkpoint hash is in at most one of (device index, host tier).
 With a cache node, the admission's fetch may bring one checkpoint (``FetchedState``); a hit may
 end there, promoted the same way (its bytes land at the flush). Checkpoints this engine
 computes and publishes are queued for write-through (``take_published``).
+
+Checkpoints land where later prompts diverge, not only every ``interval`` tokens: at the token
+positions a request names (``plan``'s hints: a chat prompt's message ends, branch points the
+router learned) and at this engine's branch points (``state_checkpoints.BranchPoints``: block
+ends where a prefix hit was cut back for want of a checkpoint), which ``on_branch`` announces.
 """
 
 from __future__ import annotations
@@ -34,7 +39,14 @@ from kvmesh.engine.kv.events import TIER_CPU, TIER_GPU, TIER_REMOTE
 from kvmesh.engine.kv.host_state_tier import HostStateTier
 from kvmesh.engine.kv.host_tier import TierStats
 from kvmesh.engine.kv.remote_tier import RemoteTier
-from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, CheckpointStats, capture_points, restorable_blocks
+from kvmesh.engine.kv.state_checkpoints import (
+    BranchPoints,
+    CheckpointIndex,
+    CheckpointStats,
+    capture_points,
+    restorable_blocks,
+    wanted_boundaries,
+)
 from kvmesh.engine.kv.state_wire import FetchedState
 from kvmesh.engine.kv.state_slots import StateSlots
 from kvmesh.engine.kv.tiers import TierSnapshot
@@ -57,7 +69,8 @@ class StepStatePlan:
 
 class HybridStateManager:
     def __init__(self, num_slots: int, block_size: int, checkpoints: CheckpointIndex | None = None,
-                 interval: int = 0, host: HostStateTier | None = None) -> None:
+                 interval: int = 0, host: HostStateTier | None = None,
+                 on_branch: Callable[[BlockHash, BlockHash | None], None] | None = None) -> None:
         if interval < 0 or interval % block_size:
             raise ValueError(f"the state checkpoint interval must be a multiple of the block size "
                              f"({block_size}), got {interval}")
@@ -68,6 +81,8 @@ class HybridStateManager:
         self._restores: list[tuple[int, int]] = []  # admitted this step, not yet planned
         self._pending: dict[str, tuple[int, BlockHash]] = {}
         self.host = host if checkpoints is not None else None
+        self.branches = BranchPoints()
+        self.on_branch = on_branch  # (a new branch point, the one it displaced or None): KV events
         self._promoting: dict[int, BlockHash | FetchedState] = {}  # device entry -> host hash or fetched
         # checkpoint, between hit and allocate/cancel
         self._remote_loads: list[tuple[int, FetchedState]] = []  # (device entry, bytes), until flush
@@ -99,10 +114,23 @@ class HybridStateManager:
         events of every medium). A checkpoint found in the host tier (or ``fetched`` from the
         cache node) is reserved together with a device entry to promote it into: follow with
         ``allocate`` (the admission happened) or ``cancel``. When no device entry can be
-        reserved (every one pinned or being written) the hit looks further down."""
-        ck, host = self.checkpoints, self.host
-        if ck is None:
+        reserved (every one pinned or being written) the hit looks further down.
+
+        A hit cut back short of ``num_kv_blocks`` makes block ``num_kv_blocks - 1``'s end a
+        branch point: the KV match ended there, so the next prompt crossing it checkpoints it."""
+        if self.checkpoints is None:
             return 0, None
+        j, idx = self._hit(hashes, num_kv_blocks, fetched)
+        if j < num_kv_blocks:
+            h = hashes[num_kv_blocks - 1]
+            new, displaced = self.branches.add(h)
+            if new and self.on_branch is not None:
+                self.on_branch(h, displaced)
+        return j, idx
+
+    def _hit(self, hashes: Sequence[BlockHash], num_kv_blocks: int,
+             fetched: FetchedState | None) -> tuple[int, int | None]:
+        ck, host = self.checkpoints, self.host
         if host is not None and num_kv_blocks:
             host.stats.queries += 1
 
@@ -177,19 +205,26 @@ class HybridStateManager:
         return self.slots.owners()
 
     # ---- engine side ---------------------------------------------------------------------
-    def plan(self, seqs: Sequence[tuple[str, Sequence[int], bytes, int, int, int]], chain: ChainFn) -> StepStatePlan:
+    def plan(self, seqs: Sequence[tuple[str, Sequence[int], bytes, int, int, int, Sequence[int]]],
+             chain: ChainFn) -> StepStatePlan:
         """``seqs``: per scheduled sequence (request id, all tokens, chain root, prompt length,
-        tokens computed before the step, tokens this step)."""
+        tokens computed before the step, tokens this step, prompt positions worth a checkpoint)."""
         plan = StepStatePlan(slots=[self.slots.slot(s[0]) for s in seqs], restores=self._restores)
         plan.unpin = [idx for idx, _ in self._restores]
         self._restores = []
         ck = self.checkpoints
-        for rid, tokens, root, num_prompt, start, n in seqs:
+        bs = self.block_size
+        for rid, tokens, root, num_prompt, start, n, hints in seqs:
             caps: list[tuple[int, int]] = []
             plan.captures.append(caps)
             if ck is None:
                 continue
-            published, pending = capture_points(start, start + n, num_prompt, self.block_size, self.interval)
+            wanted: set[int] = set()
+            upto = min(start + n, num_prompt)  # branch points and hints lie in the prompt
+            if upto // bs > start // bs and (hints or len(self.branches)):
+                wanted = wanted_boundaries(chain(rid, tokens, root, upto // bs), start, upto, bs,
+                                           self.branches, hints)
+            published, pending = capture_points(start, start + n, num_prompt, bs, self.interval, wanted)
             points = published + ([pending] if pending is not None else [])
             if not points:
                 continue

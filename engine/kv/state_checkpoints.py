@@ -19,7 +19,7 @@ events (engine/kv/events.py, the ``state-*`` media).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from kvmesh.engine.block_hash import BlockHash
@@ -155,12 +155,13 @@ def restorable_blocks(hashes: Sequence[BlockHash], num_kv_blocks: int,
 
 
 def capture_points(start: int, end: int, num_prompt_tokens: int, block_size: int,
-                   interval: int) -> tuple[list[int], int | None]:
+                   interval: int, wanted: Collection[int] = ()) -> tuple[list[int], int | None]:
     """Block boundaries in ``(start, end]`` to checkpoint when a step computes tokens [start, end).
 
     Returns (published, pending): ``published`` are the boundaries published as soon as the step
-    is done: multiples of ``interval`` (0: none) and the prompt's last boundary a repeat of the
-    prompt can hit (``(num_prompt_tokens - 1) // block_size`` blocks). ``pending`` is the last
+    is done: multiples of ``interval`` (0: none), the ``wanted`` boundaries (where later prompts
+    are expected to diverge: chat message ends, branch points) and the prompt's last boundary a
+    repeat of the prompt can hit (``(num_prompt_tokens - 1) // block_size`` blocks). ``pending`` is the last
     boundary past that one that is not itself published: the request keeps the state there and
     publishes it when it finishes, so a finished turn leaves a restore point at its end.
     Pure function.
@@ -171,10 +172,54 @@ def capture_points(start: int, end: int, num_prompt_tokens: int, block_size: int
     pending: int | None = None
     first = (start // bs + 1) * bs
     for b in range(first, end + 1, bs):
-        if (interval and b % interval == 0) or b == prompt_end:
+        if (interval and b % interval == 0) or b == prompt_end or b in wanted:
             published.append(b)
             if b > prompt_end:
                 pending = None  # a later published point supersedes the held one
         elif b > prompt_end:
             pending = b
     return published, pending
+
+
+class BranchPoints:
+    """Block ends where cached prompts were seen to diverge, most recent last, at most ``capacity``.
+
+    A hybrid prefix hit is cut back to its last checkpoint; when it was cut back, the KV match
+    ended where the new prompt left an older one, and no checkpoint was taken there (it was
+    nobody's block boundary of interest then). Remembering that block's hash lets the next prompt
+    that computes through it capture there, so the third prompt sharing a prefix resumes from it.
+    Hashes only: a branch point costs a checkpoint entry only when a prompt crosses it.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._hashes: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def __contains__(self, h: BlockHash) -> bool:
+        return h in self._hashes
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def add(self, h: BlockHash) -> tuple[bool, BlockHash | None]:
+        """Remember ``h``: (whether it is new, the oldest branch point it displaced, if any)."""
+        if h in self._hashes:
+            self._hashes.move_to_end(h)
+            return False, None
+        self._hashes[h] = None
+        if len(self._hashes) > self.capacity:
+            return True, self._hashes.popitem(last=False)[0]
+        return True, None
+
+
+def wanted_boundaries(hashes: Sequence[BlockHash], start: int, end: int, block_size: int,
+                      branches: BranchPoints, hints: Sequence[int] = ()) -> set[int]:
+    """The block boundaries in ``(start, end]`` worth a checkpoint for one sequence: those whose
+    block (``hashes[b // block_size - 1]``, the sequence's chain) is a branch point, and the
+    boundary at or before each token position in ``hints``. Pure function."""
+    bs = block_size
+    out = {p // bs * bs for p in hints if start < p // bs * bs <= end}
+    if len(branches):
+        first, last = start // bs + 1, min(end // bs, len(hashes))
+        out.update(j * bs for j in range(first, last + 1) if hashes[j - 1] in branches)
+    return out

@@ -42,6 +42,7 @@ from kvmesh.engine.router.tokenizer_fetch import TokenizerFetchError, fetch_toke
 from kvmesh.engine.api.auth import AuthGate, Credentials
 from kvmesh.engine.api.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvmesh.engine.api import errors
+from kvmesh.engine.api.params import STATE_HINTS_HEADER, format_state_hints
 from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.util.asgi import read_body
 from kvmesh.engine.util.metrics import render
@@ -398,6 +399,10 @@ class RouterApp:
         authorization = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), None)
         body, info = await self.prepare(path, body, authorization)
         headers = proxy.forward_headers(scope["headers"])
+        # Hybrid engines: where to checkpoint, from what the pool computing the prompt reported.
+        hints = (self.prefill_fleet if self.prefill_fleet is not None else self.fleet).state_hints(info)
+        if hints:
+            headers[STATE_HINTS_HEADER] = format_state_hints(hints)
         session = session_key(headers, info.user) if self.settings.policy == "session" else None
         clock = ClientClock(t0)  # end-to-end TTFT/TPOT, whichever path answers (engine/router/slo.py)
         send = clock.wrap(send)

@@ -310,6 +310,21 @@ class Fleet:
                 else self.index.match(url, hashes)
                 for url, st in self.engines.items() if self._matchable(st, block_size, extra)}, block_size
 
+    def state_hints(self, info: PromptInfo) -> tuple[int, ...]:
+        """Prompt positions where a hybrid engine computing ``info`` should checkpoint its state
+        (``PrefixIndex.wanted_checkpoints`` over this pool's hybrid engines, in tokens): the
+        router tells the engine it picks what any engine of the pool saw, so the third prompt
+        sharing a prefix resumes wherever the second went."""
+        spec = self._hash_spec() if info.token_ids else None
+        if spec is None:
+            return ()
+        block_size, extra = spec
+        hybrid = [u for u, st in self.engines.items() if st.hybrid and self._matchable(st, block_size, extra)]
+        if not hybrid:
+            return ()
+        looked_up = info.hashes(block_size, extra)[:max_hit_blocks(len(info.token_ids), block_size)]
+        return tuple(j * block_size for j in self.index.wanted_checkpoints(hybrid, looked_up))
+
     def note_routed(self, url: str, info: PromptInfo) -> None:
         """``info``'s prompt was sent to ``url``: the record that stands in for the KV events of an
         engine that publishes none (engine/router/routed.py)."""

@@ -135,12 +135,13 @@ class Pick:
     address: str
     body: bytes | None = None  # the new body (None: unchanged)
     pick_id: str = ""  # names the pick to an observer filter (engine/router/extproc_observe.py)
+    headers: tuple[tuple[str, str], ...] = ()  # more request headers for the engine (state hints)
 
 
 def pick_mutation(pick: Pick) -> pb.CommonResponse:
     """The request-header mutation that routes to ``pick.address`` (and fixes the length of a
     changed body); ``clear_route_cache`` so a route keyed on the header sees it."""
-    sets = [(DESTINATION, pick.address)]
+    sets = [(DESTINATION, pick.address), *pick.headers]
     if pick.pick_id:
         sets.append((PICK_ID, pick.pick_id))
     if pick.body is not None:

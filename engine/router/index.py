@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.engine.block_hash import BlockHash
 from kvmesh.engine.kv.events import (
+    BRANCH_MEDIUM,
     TIER_CPU,
     TIER_GPU,
     TIER_REMOTE,
@@ -148,6 +149,22 @@ class PrefixIndex:
             counts[tier] = counts.get(tier, 0) + 1
         weighted = sum(self._weights[t] * c for t, c in counts.items())
         return PrefixMatch(n, counts, weighted)
+
+    def wanted_checkpoints(self, engines: Iterable[str], hashes: Sequence[BlockHash]) -> list[int]:
+        """Block counts ``j`` of ``hashes`` (cut where a hybrid lookup stops) at whose end a hybrid
+        engine computing the prompt should checkpoint, sorted: where one of ``engines``' cached KV
+        of the prompt ends past its last checkpoint there (the prompt leaves a cached one at that
+        block, so the next one sharing it may too), and each block an engine reported as a
+        branch point (``BRANCH_MEDIUM``)."""
+        out: set[int] = set()
+        branch = [s for e in engines if (entry := self._engines.get(e)) and (s := entry.tiers.get(BRANCH_MEDIUM))]
+        for e in engines:
+            kv = self.match(e, hashes).blocks
+            if kv and self.match(e, hashes, restore_points=True).blocks < kv:
+                out.add(kv)
+        if branch:
+            out.update(j for j, h in enumerate(hashes, 1) if any(h in s for s in branch))
+        return sorted(out)
 
     def longest_prefix(self, hashes: Sequence[BlockHash], engines: Iterable[str] | None = None) -> dict[str, PrefixMatch]:
         """Every engine's (or each of ``engines``') longest cached prefix of ``hashes``."""

@@ -20,6 +20,7 @@ import msgspec
 
 from kvmesh.engine.api import errors
 from kvmesh.engine.api.errors import APIError
+from kvmesh.engine.api.params import STATE_HINTS_HEADER, format_state_hints
 from kvmesh.engine.router import epp
 from kvmesh.engine.router.dispatch import Lease
 from kvmesh.engine.router.prompt import CHAT, COMPLETIONS, PromptInfo
@@ -127,7 +128,10 @@ class PickSession:
         self.url, self.address, self.info, self.predicted = url, address_of[url], info, predicted
         self.lease = Lease.take(fleet.engines.get(url), max(0, info.num_prompt_tokens - predicted))
         self.picked_at = time.perf_counter()
-        return epp.Pick(self.address, out if out != body else None)
+        # Hybrid engines: where to checkpoint (engine/router/app.py). Always set, so a client's own
+        # value never reaches an engine (empty: none).
+        hints = format_state_hints(fleet.state_hints(info))
+        return epp.Pick(self.address, out if out != body else None, headers=((STATE_HINTS_HEADER, hints),))
 
     def response_started(self, status: int, content_type: str, served: str | None, end_of_stream: bool) -> None:
         """The response headers: its status, whether it streams, and the endpoint that served it."""

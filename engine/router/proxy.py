@@ -21,15 +21,18 @@ import msgspec
 from kvmesh.engine.api import errors
 from kvmesh.engine.api.auth import Credentials
 from kvmesh.engine.api.errors import APIError
+from kvmesh.engine.api.params import STATE_HINTS_HEADER
 from kvmesh.engine.router.slo import token_events
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 """Upstream answers that mean "this engine cannot take it now": try another one."""
-# Hop-by-hop and framing headers are the proxy's own business on each side.
+# Hop-by-hop and framing headers are the proxy's own business on each side; state hints are the
+# router's to give (engine/router/app.py), never a client's.
 _DROP_REQUEST_HEADERS = frozenset({b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding",
-                                   b"accept-encoding", b"upgrade", b"te", b"proxy-connection"})
+                                   b"accept-encoding", b"upgrade", b"te", b"proxy-connection",
+                                   STATE_HINTS_HEADER.encode()})
 _KEEP_RESPONSE_HEADERS = frozenset({"content-type", "retry-after", "x-request-id"})
 SSE_DONE = b"data: [DONE]\n\n"
 _json = msgspec.json.Decoder()

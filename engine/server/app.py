@@ -214,7 +214,7 @@ class ServerApp:
             body.cache_salt = self.auth.cache_salt(request.headers.get("authorization"), body.cache_salt)
             if body.kv_transfer_params is not None:
                 self._check_internal(request)
-            prep = await serving.compile_grammar(serving.prepare_completion(body))
+            prep = await serving.compile_grammar(serving.prepare_completion(body, request.headers))
             if body.kv_transfer_params is not None:
                 return await self.disagg.respond(prep, body.kv_transfer_params, request, arrival)
             return await serving.respond(prep, request, arrival)
@@ -226,7 +226,7 @@ class ServerApp:
             body.cache_salt = self.auth.cache_salt(request.headers.get("authorization"), body.cache_salt)
             if body.kv_transfer_params is not None:
                 self._check_internal(request)
-            prep = await serving.compile_grammar(serving.prepare_chat(body))
+            prep = await serving.compile_grammar(serving.prepare_chat(body, request.headers))
             if body.kv_transfer_params is not None:
                 return await self.disagg.respond(prep, body.kv_transfer_params, request, arrival)
             return await serving.respond(prep, request, arrival)

@@ -56,7 +56,8 @@ class ServedEngine(Protocol):
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     priority: int = 0, arrival_time: float | None = None,
-                    handoff: Handoff | None = None) -> None: ...
+                    handoff: Handoff | None = None, cache_salt: str | None = None,
+                    state_hints: Sequence[int] = ()) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def idle_tick(self) -> list[RequestOutput]: ...
@@ -76,6 +77,8 @@ class SeqSubmission:
     handoff: Handoff | None = None
     """The sequence's role in a KV handoff (engine/roles.py), if any."""
     cache_salt: str | None = None
+    state_hints: tuple[int, ...] = ()
+    """Hybrid models: prompt positions worth a checkpoint (``Request.state_hints``)."""
 
 
 class RequestGroup:
@@ -242,7 +245,8 @@ class AsyncEngine:
         try:
             for s in seqs:
                 self.engine.add_request(s.request_id, s.prompt_token_ids, s.params, priority=priority,
-                                        arrival_time=arrival_time, handoff=s.handoff, cache_salt=s.cache_salt)
+                                        arrival_time=arrival_time, handoff=s.handoff, cache_salt=s.cache_salt,
+                                        state_hints=s.state_hints)
                 added.append(s.request_id)
         except BaseException:
             for rid in added:

@@ -13,7 +13,7 @@ import asyncio
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -53,6 +53,8 @@ class Prepared:
     """Chat with tools: calls are parsed out of each choice's text (api/tools.py)."""
     report_prompt_logprobs: bool = False
     """The request asked for vLLM's ``prompt_logprobs``: each choice carries them."""
+    state_hints: tuple[int, ...] = ()
+    """Hybrid models: prompt positions worth a checkpoint (a chat prompt's message ends)."""
 
     def seq_id(self, index: int) -> str:
         return f"{self.request_id}-{index}"
@@ -116,8 +118,9 @@ class Serving:
             raise errors.model_not_found(requested, self.served_names)
         return requested
 
-    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+    def prepare_completion(self, req: CompletionRequest, headers: Mapping[str, str] | None = None) -> Prepared:
         model = self._model(req.model)
+        hints = params.parse_state_hints((headers or {}).get(params.STATE_HINTS_HEADER))
         params.check_completion_unsupported(req)
         tok = self._engine.tokenizer
         prompts = params.completion_prompt_ids(tok, req)
@@ -130,18 +133,24 @@ class Serving:
             echo = [p if isinstance(p, str) else tok.decode(p) for p in req.prompts()]
         return Prepared("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, prompts, choices,
                         req.stream, req.include_usage, req.logprobs, req.priority, echo, req.cache_salt,
-                        report_prompt_logprobs=req.prompt_logprobs is not None)
+                        report_prompt_logprobs=req.prompt_logprobs is not None, state_hints=hints)
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+    def prepare_chat(self, req: ChatCompletionRequest, headers: Mapping[str, str] | None = None) -> Prepared:
+        """``headers``: the request's, for the router's ``params.STATE_HINTS_HEADER``."""
         model = self._model(req.model)
+        routed = params.parse_state_hints((headers or {}).get(params.STATE_HINTS_HEADER))
         params.check_chat_unsupported(req)
         ids = params.chat_prompt_ids(self._engine.tokenizer, req)
+        # Hybrid models reuse a prefix only where a checkpoint is: at the ends of earlier messages.
+        hybrid = getattr(self._engine, "is_hybrid", False)
+        hints = routed + params.chat_message_ends(self._engine.tokenizer, req, ids) if hybrid else ()
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         lp = params.chat_logprobs(req)
         choices = self._choices(req, [ids], None, lp, max_tokens)
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, [ids], choices,
                         req.stream, req.include_usage, lp, req.priority, cache_salt=req.cache_salt,
-                        tools=params.tool_setup(req), report_prompt_logprobs=req.prompt_logprobs is not None)
+                        tools=params.tool_setup(req), report_prompt_logprobs=req.prompt_logprobs is not None,
+                        state_hints=hints)
 
     def _choices(self, req: Any, prompts: list[list[int]], default_max: int | None, logprobs: int | None,
                  max_tokens: int | None = None) -> list[params.ChoiceSpec]:
@@ -160,7 +169,7 @@ class Serving:
     def submit(self, prep: Prepared, arrival_time: float, handoff: Handoff | None = None) -> RequestGroup:
         """Start every choice of ``prep``, each with ``handoff`` as its role in a KV handoff."""
         seqs = [SeqSubmission(prep.seq_id(c.index), prep.prompts[c.prompt_index], c.params, handoff,
-                              prep.cache_salt) for c in prep.choices]
+                              prep.cache_salt, prep.state_hints) for c in prep.choices]
         try:
             return self.aengine.submit(seqs, priority=prep.priority, arrival_time=arrival_time)
         except APIError:

@@ -8,6 +8,7 @@ transformers' generate on the full prompt as the reference for every turn.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
@@ -144,3 +145,92 @@ def test_second_turn_after_512_generated_tokens(hybrid_dir):
     assert r2.token_ids == second
     assert r2.num_cached_tokens == (len(prompt) + 512 - 1) // 16 * 16 == 608
     assert list(computed.values())[-1] == len(second_prompt) - 608 + 16 - 1
+
+
+SHARED = torch.randint(3, 1000, (300,), generator=torch.Generator().manual_seed(11)).tolist()
+
+
+def _tails(*lengths: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(12)
+    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_the_third_prompt_sharing_a_prefix_shorter_than_the_interval_resumes_from_its_branch_point(hybrid_dir):
+    """One 300-token system prompt, three users (20, 27, 34 more tokens), the default checkpoint
+    interval (1024): prompt 2's KV hit (18 blocks) has no checkpoint, so its end becomes a branch
+    point prompt 2 captures; prompt 3 resumes there (288 of 300 shared tokens). Exact throughout."""
+    prompts = [SHARED + t for t in _tails(20, 27, 34)]
+    refs = hf_greedy(hybrid_dir, prompts, 6)
+    engine = _engine(hybrid_dir)
+    assert engine.config.state_checkpoint_interval == 1024
+    llm = LLM(engine=engine)
+    got = [llm.generate([p], _params(6))[0] for p in prompts]
+    assert [g.token_ids for g in got] == [want for want, _ in refs]
+    assert got[1].num_cached_tokens == 0  # nothing at the divergence yet
+    assert got[2].num_cached_tokens == 288 >= 0.9 * len(SHARED)
+    assert engine.events.snapshot().hashes["branch"]  # subscribers (the router) hear of the branch point
+
+
+def test_a_chat_prompt_checkpoints_at_its_system_messages_end(hybrid_dir):
+    """Through the real server app (in process) on the real engine, and offline (``LLM.chat``): a
+    chat request's earlier messages end where the next user's prompt leaves it, so the second chat
+    sharing a system prompt resumes at the block before its end; every answer is transformers'."""
+    from fastapi.testclient import TestClient
+
+    from kvmesh.engine.server.app import ServerApp
+    from kvmesh.engine.server.async_engine import AsyncEngine
+
+    system = " ".join(f"rule {i}: answer in plain words and cite sources." for i in range(30))
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+             for q in ("What is the tallest mountain?", "Name three rivers in Europe.")]
+    offline = LLM(engine=_engine(hybrid_dir))
+    outs = [offline.chat([c], _params(6))[0] for c in chats]
+    assert [o.token_ids for o in outs] == [t for t, _ in hf_greedy(hybrid_dir, [o.prompt_token_ids for o in outs], 6)]
+    want = [o.text for o in outs]
+    engine = _engine(hybrid_dir)
+    sys_end = len(engine.tokenizer.apply_chat_template(chats[0][:1], add_generation_prompt=False))
+    assert sys_end > 256
+    assert outs[1].num_cached_tokens == sys_end // 16 * 16  # LLM.chat checkpoints there too
+    with TestClient(ServerApp(AsyncEngine(lambda: engine)).app) as c:
+        got = [c.post("/v1/chat/completions", json={"messages": m, "max_tokens": 6, "temperature": 0,
+                                                    "ignore_eos": True}).json() for m in chats]
+    assert [g["choices"][0]["message"]["content"] for g in got] == want
+    cached = got[1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == sys_end // 16 * 16 >= 0.9 * sys_end
+
+
+def test_the_routers_hint_makes_another_engine_checkpoint_where_the_pools_prompts_diverge(hybrid_dir):
+    """Both sides of the state-hints contract with the real code: the router's Fleet, fed engine
+    a's KV snapshot (prompt 1's blocks, a checkpoint at its end), tells engine b computing prompt
+    2 to checkpoint where a's cached prefix of it ends (288 tokens); b's server app reads the
+    header, so prompt 3 resumes there on b. A malformed header is a 400 naming it."""
+    from fastapi.testclient import TestClient
+
+    from kvmesh.engine.api.params import STATE_HINTS_HEADER, format_state_hints
+    from kvmesh.engine.router.discovery import EngineState, Fleet
+    from kvmesh.engine.router.prompt import PromptInfo
+    from kvmesh.engine.server.app import ServerApp
+    from kvmesh.engine.server.async_engine import AsyncEngine
+
+    prompts = [SHARED + t for t in _tails(20, 27, 34)]
+    a, b = _engine(hybrid_dir), _engine(hybrid_dir)
+    offline = LLM(engine=a)
+    want = [r.text for r in offline.generate(prompts[:1], _params(6))]
+    fleet = Fleet(session=None, urls=["http://a"])  # type: ignore[arg-type]  # no I/O in state_hints
+    fleet.engines["http://a"] = EngineState("http://a", healthy=True, info={
+        "engine_id": a.engine_id, "block_size": 16, "extra_key": a.kv.extra.hex(), "hybrid": True,
+        "kv_events": {"port": 1}})
+    fleet.index.reset("http://a", a.events.snapshot())
+    hints = fleet.state_hints(PromptInfo(prompts[1], num_prompt_tokens=len(prompts[1])))
+    assert hints == (288,)
+    want += [r.text for r in offline.generate(prompts[1:], _params(6))]
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with TestClient(ServerApp(AsyncEngine(lambda: b)).app) as c:
+        bad = c.post("/v1/completions", json={"prompt": prompts[1], **body}, headers={STATE_HINTS_HEADER: "12,x"})
+        assert bad.status_code == 400 and STATE_HINTS_HEADER in bad.json()["error"]["message"]
+        r2 = c.post("/v1/completions", json={"prompt": prompts[1], **body},
+                    headers={STATE_HINTS_HEADER: format_state_hints(hints)}).json()
+        r3 = c.post("/v1/completions", json={"prompt": prompts[2], **body}).json()
+    assert [r2["choices"][0]["text"], r3["choices"][0]["text"]] == want[1:]
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] == 288

@@ -374,7 +374,8 @@ def _hybrid_prompts(seed: int) -> list[list[int]]:
 @pytest.mark.slow  # a real server process: about 20 s
 def test_a_real_hybrid_engine_stream_indexes_every_prompt_block(hybrid_llmd_server):
     """A hybrid engine's stream through the llm-d reader: checkpoint records arrive (medium
-    state-gpu), each stored one is dropped for want of tokens, nothing else is, and every
+    state-gpu), each stored one (and each branch point's, medium branch) is dropped for want of
+    tokens, nothing else is, and every
     prompt's full blocks are placed on the pod exactly as for an attention-only engine."""
     proc, port = hybrid_llmd_server
     ctx = zmq.Context()
@@ -392,7 +393,7 @@ def test_a_real_hybrid_engine_stream_indexes_every_prompt_block(hybrid_llmd_serv
             media += [ev[-2] if ev[0] == "BlockStored" else ev[-1] for ev in msgspec.msgpack.decode(msg.payload)[1]]
             index.digest(msg)
         assert "state-gpu" in media and "gpu" in media
-        stored_ckpts = sum(1 for m in media if m == "state-gpu")  # stored and removed
+        stored_ckpts = sum(1 for m in media if m in ("state-gpu", "branch"))  # stored and removed
         assert index.dropped and set(index.dropped) == {"BlockStored: no keys or entries provided for adding to index"}
         assert len(index.dropped) <= stored_ckpts
         for p in prompts:

@@ -10,7 +10,7 @@ import pytest
 
 from kvmesh.engine.block_hash import ROOT_HASH, hash_block
 from kvmesh.engine.kv.hybrid_state import HybridStateManager
-from kvmesh.engine.kv.state_checkpoints import CheckpointIndex, capture_points
+from kvmesh.engine.kv.state_checkpoints import BranchPoints, CheckpointIndex, capture_points, wanted_boundaries
 from kvmesh.engine.kv.state_slots import StateSlots, StateSlotsExhausted
 
 
@@ -36,6 +36,51 @@ def _hashes(tokens, bs=4, extra=b"m"):
 def test_capture_points(start, end, prompt, interval, want):
     """Which boundaries a step checkpoints, for prompt, interval and generation-end points."""
     assert capture_points(start, end, prompt, 4, interval) == want
+
+
+def test_wanted_boundaries_are_published_with_the_others():
+    assert capture_points(0, 16, 17, 4, 0, {8}) == ([8, 16], None)
+    assert capture_points(8, 16, 17, 4, 0, {8}) == ([16], None)  # (start, end]: 8 was the last step's
+
+
+def test_wanted_boundaries_come_from_branch_points_and_hints():
+    """Branch points name blocks by hash, hints name positions (floored to a block boundary);
+    both only inside the step's (start, end]."""
+    h = _hashes(list(range(40)))  # 10 blocks of 4
+    branches = BranchPoints()
+    assert wanted_boundaries(h, 0, 40, 4, branches) == set()
+    branches.add(h[2])  # block 2 ends at 12 tokens
+    assert wanted_boundaries(h, 0, 40, 4, branches) == {12}
+    assert wanted_boundaries(h, 12, 40, 4, branches) == set()
+    assert wanted_boundaries(h[:5], 0, 20, 4, branches, hints=(7, 18, 30)) == {4, 12, 16}
+
+
+def test_branch_points_are_bounded_and_say_what_they_displace():
+    b = BranchPoints(capacity=2)
+    assert b.add(b"a") == (True, None) and b.add(b"b") == (True, None)
+    assert b.add(b"a") == (False, None)  # refreshed: now the newest
+    assert b.add(b"c") == (True, b"b")
+    assert b"a" in b and b"b" not in b and len(b) == 2
+
+
+def test_a_hit_cut_back_short_of_its_kv_makes_a_branch_point_the_next_prompt_captures():
+    """Prompt 1 leaves KV over 5 blocks and a checkpoint at its end only; prompt 2 shares 3 blocks:
+    its hit is cut to 0 (no checkpoint at 3), so block 3's end becomes a branch point, announced,
+    and prompt 2's own step captures there: prompt 3 then resumes from it."""
+    toks = list(range(40))
+    h = _hashes(toks)
+    seen = []
+    mgr = HybridStateManager(2, 4, CheckpointIndex(8), interval=0, on_branch=lambda h, old: seen.append((h, old)))
+    assert mgr.hit(h, 3) == (0, None)
+    assert seen == [(h[2], None)]
+    assert mgr.hit(h, 3) == (0, None) and len(seen) == 1  # known: announced once
+    mgr.allocate("p2")
+    plan = mgr.plan([("p2", toks, ROOT_HASH, 22, 0, 22, ())], lambda rid, t, root, n: h[:n])
+    assert [c[0] for c in plan.captures[0]] == [12, 20]  # the branch point and the prompt's end
+    mgr.commit(plan)
+    assert mgr.hit(h, 3)[0] == 3
+    mgr.free("p2")
+    mgr.check_integrity()
 
 
 def test_index_lru_pins_and_content_addressing():
@@ -117,14 +162,14 @@ def test_plan_commit_publishes_and_abort_releases():
     def chain(rid, tokens, root, n):
         return h[:n]
 
-    plan = mgr.plan([("r", toks, ROOT_HASH, 10, 0, 10)], chain)
+    plan = mgr.plan([("r", toks, ROOT_HASH, 10, 0, 10, ())], chain)
     assert plan.captures == [[(8, 0)]] and plan.slots == [0]
     mgr.abort(plan)
     assert mgr.hit(h, 4) == (0, None)
-    plan = mgr.plan([("r", toks, ROOT_HASH, 10, 0, 10)], chain)
+    plan = mgr.plan([("r", toks, ROOT_HASH, 10, 0, 10, ())], chain)
     mgr.commit(plan)
     assert mgr.hit(h, 4)[0] == 2  # the prompt's boundary at 8 tokens = 2 blocks
-    plan = mgr.plan([("r", toks, ROOT_HASH, 10, 10, 3)], chain)  # generation reaches 12
+    plan = mgr.plan([("r", toks, ROOT_HASH, 10, 10, 3, ())], chain)  # generation reaches 12
     mgr.commit(plan)
     assert mgr.hit(h, 4)[0] == 2  # held, not published yet
     mgr.free("r")

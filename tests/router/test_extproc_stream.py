@@ -17,6 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 
+from kvmesh.engine.api.params import STATE_HINTS_HEADER, parse_state_hints
 from kvmesh.engine.block_hash import hash_blocks
 from kvmesh.engine.kv.events import KVSnapshot
 from kvmesh.engine.router import epp
@@ -82,6 +83,30 @@ def test_the_pick_is_the_proxy_pick_a_cached_prefix_wins_and_accounting_follows_
     run(s, response_body(b"data: [DONE]\n\n", True))
     assert load(app) == {URLS[0]: (0, 0), URLS[1]: (0, 0)}
     assert app.metrics.requests.labels("cache-aware", URLS[1], "ok")._value.get() == 1
+
+
+def _set_header(resp: pb.ProcessingResponse, key: str) -> str | None:
+    common = getattr(resp, resp.WhichOneof("response")).response
+    values = [h.header.raw_value.decode() for h in common.header_mutation.set_headers if h.header.key == key]
+    return values[0] if values else None
+
+
+def test_the_pick_tells_a_hybrid_engine_where_to_checkpoint_and_a_clients_own_hints_never_pass():
+    """Engine 1 (hybrid) holds 20 blocks of the prompt's KV and no checkpoint: the pick sets the
+    state-hints header at 20 blocks, as the HTTP router does; a client's own header is overwritten
+    (with nothing, for a pool without hybrid engines)."""
+    body = chat_body("a long shared system prompt " * 8)
+    forged = {**POST, STATE_HINTS_HEADER: "16,32"}
+    plain = make_app()
+    out = run(PickerStream(plain), headers_msg(forged, mode=epp.BODY_BUFFERED), body_msg(body))
+    assert _set_header(out[-1], STATE_HINTS_HEADER) == ""
+    app = make_app()
+    for st_ in app.fleet.engines.values():
+        st_.info["hybrid"] = True
+    hashes = hash_blocks(analyze(CHAT, body, FakeTokenizer()).token_ids, BLOCK_SIZE, EXTRA)
+    app.fleet.index.reset(URLS[1], KVSnapshot(1, "b", {"gpu": frozenset(hashes[:20])}))
+    out = run(PickerStream(app), headers_msg(forged, mode=epp.BODY_BUFFERED), body_msg(body))
+    assert parse_state_hints(_set_header(out[-1], STATE_HINTS_HEADER)) == (20 * BLOCK_SIZE,)
 
 
 def test_a_dead_stream_releases_the_engine_and_counts_an_abort():

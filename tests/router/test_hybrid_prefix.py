@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from kvmesh.engine.block_hash import extra_key, hash_blocks
-from kvmesh.engine.kv.events import BlockStored, checkpoint_removed, checkpoint_stored
+from kvmesh.engine.kv.events import BlockStored, branch_points, checkpoint_removed, checkpoint_stored
 from kvmesh.engine.kv.hybrid_state import HybridStateManager
 from kvmesh.engine.kv.state_checkpoints import CheckpointIndex
 from kvmesh.engine.router.discovery import EngineState, Fleet
@@ -71,6 +71,28 @@ def test_fleet_cuts_back_from_where_the_engine_stops_looking():
         fleet.index.apply("http://e", checkpoint_stored([h[0], h[2]], BS))
         matches, bs = fleet.prefix_matches(PromptInfo(tokens, num_prompt_tokens=len(tokens)))
         assert matched_tokens(matches["http://e"].blocks, bs, len(tokens)) == want * BS, hybrid
+
+
+def test_the_router_tells_a_hybrid_engine_where_the_pools_cached_prefixes_of_the_prompt_end():
+    """Engine e holds a 6-block prompt's KV with a checkpoint at its end only; a new prompt shares
+    3 blocks: e's KV run (3) ends past its last checkpoint there (0), so the engine computing
+    the prompt is told to checkpoint at 3 blocks. A branch point e reported is a hint too. An
+    attention-only pool gets none."""
+    old = list(range(100, 124))
+    new = old[:12] + list(range(500, 514))
+    h_old, h_new = chain(old), chain(new)
+    fleet = _fleet(True)
+    fleet.index.apply("http://e", kv(h_old))
+    fleet.index.apply("http://e", checkpoint_stored([h_old[5]], BS))
+    info = PromptInfo(new, num_prompt_tokens=len(new))
+    assert fleet.state_hints(info) == (3 * BS,)
+    fleet.index.apply("http://e", branch_points([h_new[1]], BS))
+    assert fleet.state_hints(info) == (2 * BS, 3 * BS)
+    fleet.index.apply("http://e", checkpoint_stored([h_new[2]], BS))  # a checkpoint where the KV ends
+    assert fleet.state_hints(info) == (2 * BS,)
+    plain = _fleet(False)
+    plain.index.apply("http://e", kv(h_old))
+    assert plain.state_hints(info) == ()
 
 
 def test_the_router_predicts_what_the_engines_admission_rule_serves():

@@ -21,6 +21,7 @@ from kvmesh.engine.kv.events import KVSnapshot
 from kvmesh.engine.router.app import RouterApp, RouterSettings
 from kvmesh.engine.router.discovery import Fleet
 from kvmesh.engine.router.policies import LoadModel
+from kvmesh.engine.router.proxy import forward_headers
 from kvmesh.engine.util.metrics import parse_samples, sample_value
 from tests.support.fake_step_engine import FakeTokenizer
 
@@ -335,3 +336,11 @@ def test_the_proxy_sheds_with_429_when_every_engine_is_at_the_shed_limit(cluster
     first.join(30)
     assert completion(c.url).status_code == 200
     assert c.metric("kvmesh_router_requests_total", policy="round-robin", engine="none", outcome="shed") == 1
+
+
+def test_the_proxy_forwards_a_clients_headers_but_not_its_framing_nor_state_hints():
+    """State hints are the router's to give (engine/router/app.py): a client's never reach an engine,
+    whatever its case."""
+    raw = [(b"Authorization", b"Bearer k"), (b"X-Kvmesh-State-Hints", b"16,32"), (b"Content-Length", b"9"),
+           (b"x-session-id", b"s")]
+    assert forward_headers(raw) == {"Authorization": "Bearer k", "x-session-id": "s"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.engine.config import EngineConfig
@@ -100,8 +101,8 @@ class FakeEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     priority: int = 0, arrival_time: float | None = None, handoff: object = None,
-                    cache_salt: str | None = None) -> None:
-        """The real engine's signature; the fake caches nothing, so a salt changes nothing."""
+                    cache_salt: str | None = None, state_hints: Sequence[int] = ()) -> None:
+        """The real engine's signature; the fake caches nothing, so a salt or hints change nothing."""
         if handoff is not None:
             raise ValueError("the fake engine takes no part in KV handoffs")
         params.validate()
