@@ -140,3 +140,18 @@ def hash_blocks(
         prev = hash_block(prev, token_ids[i * block_size:(i + 1) * block_size], extra)
         out.append(prev)
     return out
+
+
+def max_hit_blocks(num_tokens: int, block_size: int, whole: bool = True) -> int:
+    """The most full blocks of a ``num_tokens`` sequence a prefix hit may cover: every one with
+    ``whole`` (a dense engine then runs only the last token again, for its logits, its KV already
+    cached), else those before the last token (a hybrid engine, which resumes from a recurrent
+    state and computes the last token from scratch). Engines and the router share this rule."""
+    return max(0, (num_tokens if whole else num_tokens - 1) // block_size)
+
+
+def hit_tokens(num_blocks: int, block_size: int, num_tokens: int, whole: bool = True) -> int:
+    """Prompt tokens reported cached (and skipped) for ``num_blocks`` matched leading blocks: one
+    token short of the sequence at most, since the last one always runs."""
+    n = min(num_blocks, max_hit_blocks(num_tokens, block_size, whole)) * block_size
+    return max(0, min(n, num_tokens - 1))

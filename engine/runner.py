@@ -80,6 +80,10 @@ class ModelRunner:
         seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
         positions = starts_t[seq_idx] + (torch.arange(t) - cu[:-1][seq_idx])
         slots = table[seq_idx, positions // bs].to(torch.int64) * bs + positions % bs
+        for i, s in enumerate(out.seqs):
+            if s.num_cached_new:  # KV already cached (a shared block): its write lands in the scratch block
+                lo = int(cu[i])
+                slots[lo:lo + s.num_cached_new] = self.num_blocks * bs + positions[lo:lo + s.num_cached_new] % bs
         seq_lens = (starts_t + q_lens_t).to(torch.int32)
         nd = out.num_decodes
         seq_lens_list = [c + n for c, n in zip(starts, q_lens)]

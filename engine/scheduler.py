@@ -85,6 +85,10 @@ class ScheduledSeq:
     request: Request
     num_new_tokens: int
     num_computed_tokens: int  # before this step
+    num_cached_new: int = 0
+    """The first this many new tokens already have their KV in the request's cached blocks (a hit
+    on a whole block-aligned prompt, for its last token): they are computed for their logits only,
+    and the runner sends their KV writes to its scratch block, so a shared block never changes."""
 
     @property
     def produces_token(self) -> bool:
@@ -319,6 +323,9 @@ class Scheduler:
             reserve = (sum(self._reserve_blocks(r, self.kv.num_held_blocks(r.request_id)) for r in self.running)
                        if self.reserve_tokens and self._num_waiting else 0)
             admitted = 0
+            # A hybrid model resumes from a recurrent state at a checkpoint, never one token short
+            # of the prompt's end: its hits leave the last token to compute, as before.
+            whole = self.states is None
             while (budget > 0 and len(self.running) < self.max_num_seqs
                    and (prefill_left is None or prefill_left > 0)
                    and (self.gate is None or self.gate.admits(len(self.running), admitted))):
@@ -329,10 +336,10 @@ class Scheduler:
                     computed_blocks, num_computed = [], 0
                 else:
                     computed_blocks, num_computed = self.kv.get_computed_blocks(req.request_id, req.all_token_ids,
-                                                                                req.kv_root)
+                                                                                req.kv_root, whole=whole)
                 hits = None
                 if self.tiers is not None and self.kv.enable_caching and not req.collects_prompt_logprobs:
-                    hits = self.tiers.lookup(req.request_id, req.num_tokens, len(computed_blocks))
+                    hits = self.tiers.lookup(req.request_id, req.num_tokens, len(computed_blocks), whole=whole)
                     if hits is None:  # a cache-node fetch is in flight: let the others run
                         self._pop_waiting(req)
                         self._deferred.append(req)
@@ -350,26 +357,29 @@ class Scheduler:
                     if hits is not None:
                         self.tiers.trim(hits, keep - len(computed_blocks))
                 num_loaded = hits.num_tokens if hits is not None else 0
-                num_new = req.num_tokens - num_computed - num_loaded
+                # A hit on the whole prompt: its last token is run again for its logits (its KV stays).
+                redo = 1 if num_computed + num_loaded == req.num_tokens else 0
+                num_new = req.num_tokens - num_computed - num_loaded + redo
                 # A preempted request is recomputed in chunks even with chunked prefill off: its
                 # prompt plus generated tokens may exceed the budget, and the engine only
                 # guarantees that the prompt alone fits in one step.
                 if num_new > budget and not self.enable_chunked_prefill and not req.output_token_ids:
                     self._cancel_hits(hits, restore)
                     break
-                num_new = chunk_tokens(num_computed + num_loaded, req.num_tokens,
+                start = num_computed + num_loaded - redo
+                num_new = chunk_tokens(start, req.num_tokens,
                                        budget if prefill_left is None else min(budget, prefill_left),
                                        self.kv.block_size, self._tail(req))
-                own = self._reserve_blocks(req, self.kv.num_blocks_for(num_computed + num_loaded + num_new))
+                own = self._reserve_blocks(req, self.kv.num_blocks_for(start + num_new))
                 blocks = self.kv.allocate_slots(
-                    req.request_id, req.all_token_ids, num_new, computed_blocks, num_computed + num_loaded,
+                    req.request_id, req.all_token_ids, num_new - redo, computed_blocks, num_computed + num_loaded,
                     root=req.kv_root, spare_blocks=reserve + own if self.running else 0,
                 )
                 if blocks is None:
                     self._cancel_hits(hits, restore)
                     break
                 if self.tiers is not None and hits is not None:
-                    self.tiers.commit(req.request_id, hits, blocks, len(computed_blocks), req.num_tokens)
+                    self.tiers.commit(req.request_id, hits, blocks, len(computed_blocks))
                     if num_loaded:  # loaded blocks join the primary prefix index now (promotion)
                         self.kv.cache_blocks(req.request_id, req.all_token_ids, num_computed + num_loaded)
                 self._pop_waiting(req)
@@ -377,16 +387,16 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 if self.states is not None:
                     self.states.allocate(req.request_id, restore)
-                req.num_computed_tokens = num_computed + num_loaded
+                req.num_computed_tokens = start
                 first_admission = req.num_cached_tokens < 0
                 if first_admission:
-                    req.num_cached_tokens = min(num_computed + num_loaded, req.num_prompt_tokens)
+                    req.num_cached_tokens = min(start, req.num_prompt_tokens)
                 # The primary tier's own counters: hits there only (lower tiers count their own).
-                self.kv.record_prefix_lookup(req.num_tokens, num_computed, preempted=not first_admission)
+                self.kv.record_prefix_lookup(req.num_tokens, min(num_computed, start), preempted=not first_admission)
                 self.running.append(req)
                 admitted += 1
                 reserve += own
-                scheduled.append(ScheduledSeq(req, num_new, num_computed + num_loaded))
+                scheduled.append(ScheduledSeq(req, num_new, start, num_cached_new=redo))
                 budget -= num_new
                 if prefill_left is not None:
                     prefill_left -= num_new

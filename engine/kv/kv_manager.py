@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from kvmesh.engine.block_hash import ROOT_HASH, BlockHash, hash_block
+from kvmesh.engine.block_hash import ROOT_HASH, BlockHash, hash_block, max_hit_blocks
 from .block_pool import BlockPool, EvictHandler, KVBlock, KVIntegrityError
 from .events import TIER_GPU, KVEventHandler
 
@@ -104,22 +104,28 @@ class KVCacheManager:
             hashes.append(prev)
 
     # ------------------------------------------------------------- scheduling
+    def max_hit_blocks(self, num_tokens: int, whole: bool = False) -> int:
+        """``block_hash.max_hit_blocks`` at this manager's block size: with ``whole`` the step
+        recomputes only a fully hit request's last token (``ScheduledSeq.num_cached_new``)."""
+        return max_hit_blocks(num_tokens, self.block_size, whole)
+
     def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
-                            root: BlockHash = ROOT_HASH) -> tuple[list[KVBlock], int]:
+                            root: BlockHash = ROOT_HASH, whole: bool = False) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request, as (blocks, num_computed_tokens).
 
         ``root`` (here, in ``allocate_slots`` and ``extend_chain``) is the request's chain root,
         used when its KV state is created: pass the same one on every call for a request.
 
-        Leaves at least one token to compute, so the model still produces logits. Takes no
-        references: pass the result to ``allocate_slots`` in the same scheduling step. Counts
-        nothing: a blocked request is looked up again every step, so the caller reports the
-        lookup that led to an admission with ``record_prefix_lookup``.
+        Leaves at least one token to compute, so the model still produces logits, unless
+        ``whole`` (see ``max_hit_blocks``): then num_computed_tokens may equal len(token_ids).
+        Takes no references: pass the result to ``allocate_slots`` in the same scheduling step.
+        Counts nothing: a blocked request is looked up again every step, so the caller reports
+        the lookup that led to an admission with ``record_prefix_lookup``.
         """
         if not self.enable_caching or not token_ids:
             return [], 0
         state = self.requests.setdefault(request_id, RequestKV(root=root))
-        max_blocks = (len(token_ids) - 1) // self.block_size
+        max_blocks = self.max_hit_blocks(len(token_ids), whole)
         self._ensure_hashes(state, token_ids, max_blocks)
         hits: list[KVBlock] = []
         for h in state.block_hashes[:max_blocks]:

@@ -13,7 +13,8 @@ Invariants:
   (``on_evict``), promotion moves it up (``commit``), and a primary ``BlockStored`` removes it
   from the host tier (``on_primary_event``);
 * hits of one admission are contiguous chain positions ``[n_primary, n_primary + num_blocks)``
-  and end before the request's last token (at least one token is always computed);
+  and end before the request's last token, or with ``whole`` at its end when it is block-aligned
+  (``KVCacheManager.max_hit_blocks``: the step then recomputes the last token's query only);
 * between ``lookup`` and ``commit``/``cancel`` (one admission, same scheduling step) the host
   blocks found are reserved, so the admission's own allocation cannot evict them;
 * loads are applied by the next ``flush``, before any forward pass reads the blocks.
@@ -45,6 +46,8 @@ class LowerHits:
     remote_blocks: torch.Tensor | None = None
     """``[n, layers, 2, block_size, heads, dim]`` (a view of the fetch), or None."""
     block_size: int = 0
+    max_blocks: int = 0
+    """The most blocks the lookup could hit (primary ones included): what the stats count as queried."""
     state: FetchedState | None = None
     """Hybrid: a checkpoint the cache node had for this chain (it may end past the KV hits)."""
 
@@ -80,15 +83,17 @@ class KVTiers:
         """(blocks, their primary block ids, the fetch's buffer) per admission since the last flush."""
 
     # ---- admission ----------------------------------------------------------------------------
-    def lookup(self, request_id: str, num_tokens: int, num_primary_blocks: int) -> LowerHits | None:
+    def lookup(self, request_id: str, num_tokens: int, num_primary_blocks: int,
+               whole: bool = False) -> LowerHits | None:
         """Lower-tier hits after ``num_primary_blocks`` primary hits; None defers the request.
 
-        Call right after ``KVCacheManager.get_computed_blocks`` (which extended the chain).
+        Call right after ``KVCacheManager.get_computed_blocks`` (which extended the chain), with
+        the same ``whole``.
         """
         bs = self.block_size
-        max_blocks = (num_tokens - 1) // bs
+        max_blocks = self.kv.max_hit_blocks(num_tokens, whole)
         chain = self.kv.chain(request_id)[:max_blocks]
-        hits = LowerHits(block_size=bs)
+        hits = LowerHits(block_size=bs, max_blocks=max_blocks)
         n = num_primary_blocks
         k = self.host.count(chain[n:]) if self.host is not None else 0
         if self.remote is not None:
@@ -113,12 +118,11 @@ class KVTiers:
             self.host.reserve(hits.host_hashes)
         return hits
 
-    def commit(self, request_id: str, hits: LowerHits, blocks: Sequence[KVBlock], num_primary_blocks: int,
-               num_tokens: int) -> None:
+    def commit(self, request_id: str, hits: LowerHits, blocks: Sequence[KVBlock], num_primary_blocks: int) -> None:
         """The admission happened: ``blocks`` (freshly allocated, chain order) receive the hits."""
         k = len(hits.host_hashes)
         ids = [b.block_id for b in blocks[:hits.num_blocks]]
-        max_blocks = (num_tokens - 1) // self.block_size
+        max_blocks = hits.max_blocks
         if self.host is not None:
             if k:
                 self.host.promote(hits.host_hashes, ids[:k])

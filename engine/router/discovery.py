@@ -30,11 +30,11 @@ from typing import Any
 
 import aiohttp
 
-from kvmesh.engine.block_hash import HASH_FUNCTION, ROOT_HASH
+from kvmesh.engine.block_hash import HASH_FUNCTION, ROOT_HASH, max_hit_blocks
 from kvmesh.engine.kv.events import KVEventRecord, KVSnapshot
 from kvmesh.engine.router.index import PrefixIndex, PrefixMatch
 from kvmesh.engine.router.policies import Endpoint
-from kvmesh.engine.router.prompt import PromptInfo, common_hash_spec, max_hit_blocks
+from kvmesh.engine.router.prompt import PromptInfo, common_hash_spec
 from kvmesh.engine.router.rates import PrefillClock, decode_seconds_per_seq, interval_median
 from kvmesh.engine.router.routed import RoutedPrefixes
 
@@ -304,7 +304,7 @@ class Fleet:
         block_size, extra = spec
         hashes = info.hashes(block_size, extra)
         # A hybrid engine cuts its hit back from where its lookup stops, so stop there too.
-        looked_up = hashes[:max_hit_blocks(len(info.token_ids), block_size)]
+        looked_up = hashes[:max_hit_blocks(len(info.token_ids), block_size, whole=False)]
         return {url: self.routed.match(url, hashes) if self.routed_only(st)
                 else self.index.match(url, looked_up, restore_points=True) if st.hybrid
                 else self.index.match(url, hashes)
@@ -322,7 +322,7 @@ class Fleet:
         hybrid = [u for u, st in self.engines.items() if st.hybrid and self._matchable(st, block_size, extra)]
         if not hybrid:
             return ()
-        looked_up = info.hashes(block_size, extra)[:max_hit_blocks(len(info.token_ids), block_size)]
+        looked_up = info.hashes(block_size, extra)[:max_hit_blocks(len(info.token_ids), block_size, whole=False)]
         return tuple(j * block_size for j in self.index.wanted_checkpoints(hybrid, looked_up))
 
     def note_routed(self, url: str, info: PromptInfo) -> None:

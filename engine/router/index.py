@@ -123,8 +123,8 @@ class PrefixIndex:
 
         ``restore_points``: ``engine`` is hybrid, so the prefix ends at its last block with a
         checkpoint. ``hashes`` must then stop where the engine's own lookup stops (it leaves the
-        prompt's last token to compute: ``prompt.max_hit_blocks``), since the cut back is made
-        from there.
+        prompt's last token to compute: ``block_hash.max_hit_blocks`` with ``whole=False``), since
+        the cut back is made from there.
         """
         entry = self._engines.get(engine)
         if entry is None or not hashes:

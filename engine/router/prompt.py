@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import pydantic
 
-from kvmesh.engine.block_hash import BlockHash, chain_root, hash_blocks
+from kvmesh.engine.block_hash import BlockHash, chain_root, hash_blocks, hit_tokens
 from kvmesh.engine.api import params
 from kvmesh.engine.api.errors import APIError
 from kvmesh.engine.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -112,16 +112,10 @@ def _hashable(ids: Sequence[int]) -> bool:
     return all(0 <= t < 1 << 32 for t in ids)
 
 
-def max_hit_blocks(prompt_tokens: int, block_size: int) -> int:
-    """The most whole blocks an engine looks up for a prompt: it always computes the prompt's
-    last token itself (it needs its logits)."""
-    return max(0, (prompt_tokens - 1) // block_size)
-
-
 def matched_tokens(num_blocks: int, block_size: int, prompt_tokens: int) -> int:
-    """Prompt tokens an engine can skip given ``num_blocks`` matched blocks (at most
-    ``max_hit_blocks`` of them)."""
-    return max(0, min(num_blocks, max_hit_blocks(prompt_tokens, block_size))) * block_size
+    """Prompt tokens an engine skips given ``num_blocks`` matched blocks (the engine's own rule,
+    ``block_hash.hit_tokens``)."""
+    return hit_tokens(num_blocks, block_size, prompt_tokens)
 
 
 def common_hash_spec(specs: Sequence[tuple[int | None, bytes | None]]) -> tuple[int, bytes] | None:

@@ -9,7 +9,7 @@ test_hybrid_checkpoints.py; here the outputs' ``num_cached_tokens`` are what is 
 from __future__ import annotations
 
 
-from kvmesh.engine.block_hash import hash_blocks
+from kvmesh.engine.block_hash import hash_blocks, max_hit_blocks
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.kv.events import BlockRemoved, BlockStored
@@ -17,7 +17,7 @@ from kvmesh.engine.llm import LLM
 from kvmesh.engine.model.recurrent_state import StatePool
 from kvmesh.engine.model.safetensors_loader import read_hf_config
 from kvmesh.engine.router.index import PrefixIndex
-from kvmesh.engine.router.prompt import matched_tokens, max_hit_blocks
+from kvmesh.engine.router.prompt import matched_tokens
 from kvmesh.engine.sampling import SamplingParams
 from kvmesh.engine.server.kv_routes import kv_info
 
@@ -59,7 +59,7 @@ def test_checkpoints_are_published_and_evicted_in_the_stream_and_predict_every_h
             for rec in engine.events.since(seen):
                 index.apply("e", rec.event)
                 seen = rec.seq
-            hashes = hash_blocks(prompt, BS, engine.kv.extra)[:max_hit_blocks(len(prompt), BS)]
+            hashes = hash_blocks(prompt, BS, engine.kv.extra)[:max_hit_blocks(len(prompt), BS, whole=False)]
             predicted = matched_tokens(index.match("e", hashes, restore_points=True).blocks, BS, len(prompt))
             kv_only = matched_tokens(index.match("e", hashes).blocks, BS, len(prompt))
             out = llm.generate([prompt], _params(9 + turn))[0]

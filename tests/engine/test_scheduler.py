@@ -83,7 +83,22 @@ def test_full_prompt_hit_still_computes_last_token():
     b = _req("b", 12, 1)
     s.add(b)
     out = _run_step(s)
-    assert out.seqs[0].num_new_tokens >= 1 and b.output_token_ids == [7]
+    # Every block hit: only the last token runs again (for its logits), its KV already cached.
+    seq = out.seqs[0]
+    assert (seq.num_new_tokens, seq.num_cached_new, seq.num_computed_tokens) == (1, 1, 11)
+    assert b.num_cached_tokens == 11 and b.output_token_ids == [7] and len(s.kv.block_ids("b")) == 3
+
+
+def test_a_hit_short_of_the_last_block_recomputes_the_block_as_before():
+    s = _sched()
+    a = _req("a", 12, 0)
+    s.add(a)
+    _run_step(s)
+    s.finish(a, "stop")
+    b = _req("b", 13, 1)  # one token past a's cached blocks: no token is run twice
+    s.add(b)
+    out = _run_step(s)
+    assert (out.seqs[0].num_new_tokens, out.seqs[0].num_cached_new, b.num_cached_tokens) == (1, 0, 12)
 
 
 def test_preemption_picks_lowest_priority_latest_arrival_and_recomputes():

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import random
 
-from kvmesh.engine.block_hash import extra_key, hash_blocks
+from kvmesh.engine.block_hash import extra_key, hash_blocks, max_hit_blocks
 from kvmesh.engine.kv.events import BlockStored, branch_points, checkpoint_removed, checkpoint_stored
 from kvmesh.engine.kv.hybrid_state import HybridStateManager
 from kvmesh.engine.kv.state_checkpoints import CheckpointIndex
 from kvmesh.engine.router.discovery import EngineState, Fleet
 from kvmesh.engine.router.index import NO_MATCH, PrefixIndex
-from kvmesh.engine.router.prompt import PromptInfo, matched_tokens, max_hit_blocks
+from kvmesh.engine.router.prompt import PromptInfo, matched_tokens
 
 EXTRA = extra_key("m", "float32")
 BS = 4
@@ -60,12 +60,13 @@ def _fleet(hybrid: bool) -> Fleet:
 
 
 def test_fleet_cuts_back_from_where_the_engine_stops_looking():
-    """A prompt of exactly 3 blocks: the engine looks up at most 2 (it computes the last token),
-    then cuts back to a checkpoint. With checkpoints at blocks 1 and 3 it serves 1 block; cutting
-    back from 3 first would predict 2."""
+    """A prompt of exactly 3 blocks: a hybrid engine looks up at most 2 (it computes the last
+    token from a recurrent state), then cuts back to a checkpoint. With checkpoints at blocks 1 and
+    3 it serves 1 block; cutting back from 3 first would predict 2. A dense engine hits all 3 and
+    runs the last token again: 11 tokens cached."""
     tokens = list(range(100, 112))
     h = chain(tokens)
-    for hybrid, want in ((False, 2), (True, 1)):
+    for hybrid, want in ((False, 11 / BS), (True, 1)):
         fleet = _fleet(hybrid)
         fleet.index.apply("http://e", kv(h))
         fleet.index.apply("http://e", checkpoint_stored([h[0], h[2]], BS))
@@ -114,7 +115,7 @@ def test_the_router_predicts_what_the_engines_admission_rule_serves():
             if c:
                 e = states.checkpoints.reserve()
                 states.checkpoints.publish(e, x)
-        limit = max_hit_blocks(len(tokens), BS)
+        limit = max_hit_blocks(len(tokens), BS, whole=False)
         run = next((i for i, c in enumerate(cached[:limit]) if not c), limit)
         engine_blocks, _ = states.hit(h, run)
         router = index.match("e", h[:limit], restore_points=True)

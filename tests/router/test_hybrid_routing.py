@@ -14,10 +14,10 @@ import time
 import httpx
 import pytest
 
-from kvmesh.engine.block_hash import hash_blocks
+from kvmesh.engine.block_hash import hash_blocks, max_hit_blocks
 from kvmesh.engine.model.recurrent_state import StatePool
 from kvmesh.engine.model.safetensors_loader import read_hf_config
-from kvmesh.engine.router.prompt import matched_tokens, max_hit_blocks
+from kvmesh.engine.router.prompt import matched_tokens
 from kvmesh.engine.util.localproc import free_port_pair
 from kvmesh.engine.util.metrics import parse_samples, sample_value
 from tests.support.processes import RouterProcess, ServerProcess
@@ -70,7 +70,7 @@ def _kv_only_prediction(engine: ServerProcess, router: RouterProcess, messages: 
     ids = httpx.post(router.url("/tokenize"), json={"messages": messages}, timeout=30).json()["tokens"]
     info = httpx.get(engine.url("/kv/info"), timeout=10).json()
     gpu = {bytes.fromhex(h) for h in httpx.get(engine.url("/kv/snapshot"), timeout=10).json()["tiers"]["gpu"]}
-    hashes = hash_blocks(ids, BS, bytes.fromhex(info["extra_key"]))[:max_hit_blocks(len(ids), BS)]
+    hashes = hash_blocks(ids, BS, bytes.fromhex(info["extra_key"]))[:max_hit_blocks(len(ids), BS, whole=False)]
     run = next((i for i, h in enumerate(hashes) if h not in gpu), len(hashes))
     return matched_tokens(run, BS, len(ids))
 

@@ -55,7 +55,8 @@ def test_analyze_without_tokenizer_reads_only_user():
 
 def test_matched_tokens_leaves_the_last_prompt_token_to_compute():
     assert matched_tokens(3, 16, 100) == 48
-    assert matched_tokens(4, 16, 64) == 48  # (64 - 1) // 16 == 3 blocks at most
+    assert matched_tokens(4, 16, 64) == 63  # every block hit: the last token runs again
+    assert matched_tokens(3, 16, 64) == 48
     assert matched_tokens(4, 16, 65) == 64
     assert matched_tokens(0, 16, 1) == 0
 

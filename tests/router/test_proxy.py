@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from kvmesh.engine.block_hash import hash_blocks
+from kvmesh.engine.block_hash import hash_blocks, hit_tokens
 from kvmesh.engine.kv.events import KVSnapshot
 from kvmesh.engine.router.app import RouterApp, RouterSettings
 from kvmesh.engine.router.discovery import Fleet
@@ -248,7 +248,7 @@ def test_cache_aware_sends_a_request_to_the_engine_holding_its_prefix(cluster_fa
         assert c.metric("kvmesh_router_index_blocks", engine=b.url, tier="cpu") == len(hashes) - 8
         # Predicted minus reported: b's 3 hits are off by predicted - 32; the other request by 0 or -32.
         # (A histogram with negative buckets exposes no _sum, so the buckets are checked.)
-        predicted = min(len(hashes), (len(ids) - 1) // BLOCK_SIZE) * BLOCK_SIZE
+        predicted = hit_tokens(len(hashes), BLOCK_SIZE, len(ids))
         assert 1 < predicted - 32 <= 16
         err = "kvmesh_router_cached_tokens_prediction_error"
         assert c.metric(err + "_count") == 4
