@@ -62,27 +62,26 @@ def test_decodes_first_and_mixed_with_prefill():
     assert out.num_decodes == 1 and out.seqs[1].num_new_tokens == 15
 
 
-def test_prefix_hit_skips_cached_tokens():
+def _after_cached(n_cached: int, n_prompt: int):
+    """(scheduler, the step that admits b, b): request a's ``n_cached`` tokens computed and finished
+    (its full blocks cached), then b, whose prompt of ``n_prompt`` tokens starts with them."""
     s = _sched()
-    a = _req("a", 12, 0)
+    a = _req("a", n_cached, 0)
     s.add(a)
     _run_step(s)
     s.finish(a, "stop")
-    b = _req("b", 14, 1)  # same first 12 tokens
+    b = _req("b", n_prompt, 1)
     s.add(b)
-    out = _run_step(s)
+    return s, _run_step(s), b
+
+
+def test_prefix_hit_skips_cached_tokens():
+    _, out, b = _after_cached(12, 14)  # same first 12 tokens
     assert b.num_cached_tokens == 12 and out.seqs[0].num_new_tokens == 2
 
 
 def test_full_prompt_hit_still_computes_last_token():
-    s = _sched()
-    a = _req("a", 12, 0)
-    s.add(a)
-    _run_step(s)
-    s.finish(a, "stop")
-    b = _req("b", 12, 1)
-    s.add(b)
-    out = _run_step(s)
+    s, out, b = _after_cached(12, 12)
     # Every block hit: only the last token runs again (for its logits), its KV already cached.
     seq = out.seqs[0]
     assert (seq.num_new_tokens, seq.num_cached_new, seq.num_computed_tokens) == (1, 1, 11)
@@ -90,14 +89,7 @@ def test_full_prompt_hit_still_computes_last_token():
 
 
 def test_a_hit_short_of_the_last_block_recomputes_the_block_as_before():
-    s = _sched()
-    a = _req("a", 12, 0)
-    s.add(a)
-    _run_step(s)
-    s.finish(a, "stop")
-    b = _req("b", 13, 1)  # one token past a's cached blocks: no token is run twice
-    s.add(b)
-    out = _run_step(s)
+    _, out, b = _after_cached(12, 13)  # one token past a's cached blocks: no token is run twice
     assert (out.seqs[0].num_new_tokens, out.seqs[0].num_cached_new, b.num_cached_tokens) == (1, 0, 12)
 
 
