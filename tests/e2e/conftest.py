@@ -72,8 +72,7 @@ def cluster(tmp_path_factory) -> Cluster:
 def crd_installed(cluster: Cluster) -> None:
     """The CRD from crds/, applied the way a user would, and Established."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/inferencedeployments.serving.kvmesh.io")
+    cluster.wait_crds_established("inferencedeployments.serving.kvmesh.io")
 
 
 RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted",

@@ -38,5 +38,5 @@ def install_gateway_crds(cluster: Cluster) -> None:
              module_dir(GATEWAY_API_MODULE, pinned("GATEWAY_API_VERSION")) / "config/crd/standard"]
     for f in files:
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(f))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/inferencepools.inference.networking.k8s.io", "crd/httproutes.gateway.networking.k8s.io")
+    cluster.wait_crds_established("inferencepools.inference.networking.k8s.io",
+                                  "httproutes.gateway.networking.k8s.io")

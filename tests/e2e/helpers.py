@@ -100,6 +100,16 @@ class Cluster:
     def kubectl(self, *args: str, **kw) -> subprocess.CompletedProcess:
         return self.run("kubectl", *args, **kw)
 
+    def wait_crds_established(self, *names: str, timeout: float = 60) -> None:
+        """Each named CRD has condition Established=True. Polled rather than `kubectl wait`:
+        kubectl's condition wait fails outright ("<nil> is of the type <nil>") on a CRD the
+        apiserver has stored but not yet given any status conditions."""
+        jsonpath = '{.status.conditions[?(@.type=="Established")].status}'
+        for name in names:
+            wait_until(f"crd/{name} Established", lambda: self.kubectl(
+                "get", f"crd/{name}", "-o", f"jsonpath={jsonpath}",
+                check=False).stdout.strip() == "True", timeout=timeout)
+
     def helm(self, *args: str, home: Path, **kw) -> subprocess.CompletedProcess:
         env = {**self.env, "HELM_CACHE_HOME": str(home / "cache"),
                "HELM_CONFIG_HOME": str(home / "config"), "HELM_DATA_HOME": str(home / "data")}
