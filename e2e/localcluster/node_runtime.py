@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from . import pause, procs, realnode
+from . import image_store, pause, procs, realnode
 from .api import Api, ApiError
 
 NEEDED = {"containerd": "containerd", "containerd-shim-runc-v2": "containerd", "runc": "runc",
@@ -103,12 +103,27 @@ def start(state_dir: Path, kubelet_bin: Path, kubeconfig: Path, ca_file: Path,
         realnode.cni_conflist(net, node / "cni" / "ipam"), indent=1))
     cd_dir = node / "containerd"
     cd_dir.mkdir(parents=True, exist_ok=True)
-    (cd_dir / "config.toml").write_text(realnode.containerd_config(
-        cd_dir, pause.IMAGE, shutil.which("runc") or "runc", conf_dir))
     logs = state_dir / "logs"
-    procs.start(state_dir, "containerd", ["containerd", "--config", str(cd_dir / "config.toml")])
-    wait("containerd", lambda: ctr(info, "version", check=False).returncode == 0, 30,
-         logs / "containerd.log")
+
+    def start_containerd() -> None:
+        procs.start(state_dir, "containerd", ["containerd", "--config", str(cd_dir / "config.toml")])
+        wait("containerd", lambda: ctr(info, "version", check=False).returncode == 0, 30,
+             logs / "containerd.log")
+
+    with image_store.claim(cache_dir) as store:
+        info["image_store"] = str(store) if store else None
+        _save(state_dir, info)
+        (cd_dir / "config.toml").write_text(realnode.containerd_config(
+            cd_dir, pause.IMAGE, shutil.which("runc") or "runc", conf_dir, root=store))
+        start_containerd()
+        if store:
+            image_store.own(store, procs.newest(state_dir, "containerd"))
+            # Containers a killed cluster left behind: containerd's CRI would hand them to the
+            # new kubelet as its own pods' sandboxes, so they go, and containerd starts afresh.
+            if _remove_containers(info):
+                procs.stop_named(state_dir, {"containerd"})
+                start_containerd()
+                image_store.own(store, procs.newest(state_dir, "containerd"))
     import_pause(state_dir, cache_dir)
     procs.start(state_dir, "cluster-dns", [sys.executable, str(Path(__file__).parents[1] / "cluster"),
                                            "serve-dns", str(state_dir)])
@@ -158,6 +173,16 @@ def _kill_tasks(info: dict[str, Any]) -> None:
             time.sleep(0.25)
 
 
+def _remove_containers(info: dict[str, Any]) -> int:
+    """Delete every container (pods' and their sandboxes'; their tasks are gone) from the node's
+    containerd, so a persistent image store keeps images only. Returns how many there were."""
+    listing = ctr(info, "containers", "ls", "-q", check=False)
+    names = listing.stdout.decode().split() if listing.returncode == 0 else []
+    if names:
+        ctr(info, "containers", "rm", *names, check=False)
+    return len(names)
+
+
 def stop(state_dir: Path, api: Api | None) -> None:
     """Undo `start` (safe on a partial start); the caller then stops the other processes."""
     if not (state_dir / "cluster.json").exists():
@@ -169,6 +194,8 @@ def stop(state_dir: Path, api: Api | None) -> None:
         _drain(api, info)
         procs.stop_named(state_dir, {"kubelet", "cluster-dns"})
         _kill_tasks(info)
+        if info.get("image_store"):
+            _remove_containers(info)
     procs.stop_named(state_dir, {"kubelet", "cluster-dns", "containerd"})
     mounts = Path("/proc/mounts").read_text()
     for point in realnode.mounts_under(mounts, state_dir):
@@ -197,6 +224,13 @@ def load_docker_image(state_dir: Path, image: str, cache_dir: Path) -> None:
     info = load(state_dir)
     if not info:
         raise NodeError(f"the cluster in {state_dir} has no real node (start it with --real-node)")
+    store = Path(info["image_store"]) if info.get("image_store") else None
+    docker_id = _docker_image_id(image)
+    if store is not None:
+        if docker_id and image_store.imported(store, image) == docker_id and _has_image(info, image):
+            import_pause(state_dir, cache_dir)
+            return
+        image_store.set_imported(store, image, None)
     save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     imp = subprocess.run(["ctr", "--address", info["socket"], "--namespace", "k8s.io", "images",
@@ -208,4 +242,18 @@ def load_docker_image(state_dir: Path, image: str, cache_dir: Path) -> None:
                         "(build it with e2e/image/build)")
     if imp.returncode != 0:
         raise NodeError(f"ctr images import failed: {imp.stderr.decode(errors='replace')[-500:]}")
+    if store is not None and docker_id:
+        image_store.set_imported(store, image, docker_id)
     import_pause(state_dir, cache_dir)
+
+
+def _docker_image_id(image: str) -> str | None:
+    out = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", image],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _has_image(info: dict[str, Any], image: str) -> bool:
+    """The node's containerd has `image` by name (the kubelet's image GC may have removed it)."""
+    listing = ctr(info, "images", "ls", "-q", check=False)
+    return image_store.containerd_name(image) in listing.stdout.decode().split()

@@ -50,6 +50,11 @@ def start(state_dir: Path, name: str, argv: list[str], env: dict[str, str] | Non
     return proc
 
 
+def newest(state_dir: Path, name: str) -> dict | None:
+    """The record of the last process started as `name`, if any."""
+    return next((r for r in reversed(_load(state_dir)) if r["name"] == name), None)
+
+
 def alive(record: dict) -> bool:
     ticks = _start_ticks(record["pid"])
     return ticks is not None and ticks == record.get("start")

@@ -102,14 +102,16 @@ def _toml(value: Any) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def containerd_config(state: Path, pause_image: str, runc: str, cni_conf_dir: Path) -> str:
+def containerd_config(state: Path, pause_image: str, runc: str, cni_conf_dir: Path,
+                      root: Path | None = None) -> str:
     """containerd 1.6 (config version 2) with its own root, state and socket, so it
-    never meets the machine's other containerd (e.g. Docker's)."""
+    never meets the machine's other containerd (e.g. Docker's). `root` (images and their
+    unpacked layers) defaults to `state`/root; the node passes a persistent image store."""
     cri = 'plugins."io.containerd.grpc.v1.cri"'
     sections: list[tuple[str | None, dict[str, Any]]] = [
         (None, {
             "version": 2,
-            "root": state / "root",
+            "root": root or state / "root",
             "state": state / "state",
             # Plugins that would touch paths outside `state` or need absent kernels.
             "disabled_plugins": ["io.containerd.internal.v1.opt",

@@ -54,6 +54,11 @@ def test_containerd_config_keeps_everything_under_its_state_dir(tmp_path):
     runc = cri["containerd"]["runtimes"]["runc"]
     assert runc["options"] == {"SystemdCgroup": False, "BinaryName": "/usr/sbin/runc"}
     assert cri["cni"]["conf_dir"] == str(tmp_path / "net.d")
+    # The persistent image store moves the root (images, layers) alone out of the state dir.
+    store = tomllib.loads(realnode.containerd_config(tmp_path, "p:1", "runc", tmp_path / "net.d",
+                                                     root=tmp_path / "store"))
+    assert store["root"] == str(tmp_path / "store")
+    assert store["grpc"]["address"] == str(tmp_path / "containerd.sock")
 
 
 def test_kubelet_config_taints_the_node_and_points_pods_at_the_cluster_dns(tmp_path):

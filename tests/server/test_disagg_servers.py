@@ -107,16 +107,22 @@ def test_wrong_stage_wrong_role_and_unknown_transfers(prefill, decode):
 
 
 def test_decode_refuses_without_room_and_nothing_leaks(prefill, decode):
-    # 64 blocks of 16 tokens: ~37 prompt tokens + 1200 can never fit; + 700 fits once, not twice.
+    # 64 blocks of 16 tokens: ~37 prompt tokens + 1200 can never fit; a ~630-token prompt + 100
+    # fits once, not twice (the reservation counts prompt and output alike; a long prompt keeps
+    # the decode that proves the reservation covers the whole output short).
     r = stage1(prefill, decode, "huge", _body(max_tokens=1200))
     assert r.status_code == 400 and r.json()["error"]["code"] == "decode_too_large"
-    assert stage1(prefill, decode, "big-1", _body(max_tokens=700)).status_code == 200
-    r = stage1(prefill, decode, "big-2", _body(max_tokens=700))
+    # Two different prompts: the second must not share the first's reserved prompt blocks.
+    big, other = (_body(f"List {n} prime numbers. " * 100, max_tokens=100) for n in ("three", "four"))
+    first = stage1(prefill, decode, "big-1", big)
+    assert first.status_code == 200, first.text
+    assert 520 <= first.json()["prompt_tokens"] + 100 <= 1024, first.json()
+    r = stage1(prefill, decode, "big-2", other)
     assert r.status_code == 503 and r.json()["error"]["code"] == "decode_no_room"
     assert r.headers.get("retry-after") == "1"
     assert decode.metric("kvmesh_kv_transfers_reserved") == 1
-    done = stage2(decode, "big-1", _body(max_tokens=700))
-    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 700
+    done = stage2(decode, "big-1", big)
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 100
     nothing_held(prefill, decode)
 
 
