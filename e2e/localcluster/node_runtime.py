@@ -4,7 +4,9 @@ Needs root and Debian's containerd, runc, containernetworking-plugins,
 iptables and iproute2 (scripts/setup-e2e-node installs them). Every resource
 is named in DIR/cluster.json under "real_node" so `down` removes exactly what
 `up` made: the pods' containers (through the kubelet when it can, else
-killed), the mounts under DIR, the bridge and the cgroup subtree.
+killed), the mounts under DIR, the bridge and the cgroup subtree. Only images
+outlive it: containerd's root is the machine's image store (image_store.py)
+when no other node uses it.
 """
 
 from __future__ import annotations
