@@ -252,7 +252,9 @@ def load_docker_image(state_dir: Path, image: str, cache_dir: Path) -> None:
 def _docker_image_id(image: str) -> str | None:
     out = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", image],
                          capture_output=True, text=True)
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
 
 
 def _has_image(info: dict[str, Any], image: str) -> bool:
